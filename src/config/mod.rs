@@ -1,0 +1,8 @@
+//! Typed, validated configuration. Strings from the command line, `-o` lists, fstab and
+//! (later) CSI volume contexts are parsed here, once; the rest of the crate only sees
+//! these types.
+
+pub mod mount;
+pub mod volume;
+
+pub use mount::{BucketSource, MountConfig, MountOptionError};

@@ -1,0 +1,562 @@
+//! Typed parsing of what Kubernetes hands the CSI driver: volume handles, volume context
+//! (PV `volumeAttributes`, or what CreateVolume returned), StorageClass parameters and
+//! Secrets. Everything is validated here, once; the gRPC adapters only map the errors.
+//!
+//! Key names are the same everywhere the driver reads them:
+//! - volume context / StorageClass: `bucket`, `prefix` (`basePrefix` in a StorageClass),
+//!   `region`, `endpointUrl`, `forcePathStyle`;
+//! - Secrets: `accessKeyId`, `secretAccessKey`, optional `sessionToken`.
+//!
+//! Keys that contain a `/` (`csi.storage.k8s.io/pod.name`,
+//! `storage.kubernetes.io/csiProvisionerIdentity`, ...) belong to Kubernetes and are
+//! ignored; any other unknown key is an error, so that a typo fails loudly instead of being
+//! silently dropped.
+
+use super::mount::{normalize_prefix, validate_bucket_name, BucketSource, MountConfig};
+use super::MountOptionError;
+use crate::s3::aws::Endpoint;
+use std::collections::HashMap;
+
+pub const KEY_BUCKET: &str = "bucket";
+pub const KEY_PREFIX: &str = "prefix";
+pub const KEY_BASE_PREFIX: &str = "basePrefix";
+pub const KEY_REGION: &str = "region";
+pub const KEY_ENDPOINT_URL: &str = "endpointUrl";
+pub const KEY_FORCE_PATH_STYLE: &str = "forcePathStyle";
+
+pub const SECRET_ACCESS_KEY_ID: &str = "accessKeyId";
+pub const SECRET_SECRET_ACCESS_KEY: &str = "secretAccessKey";
+pub const SECRET_SESSION_TOKEN: &str = "sessionToken";
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum VolumeError {
+    #[error("{0}")]
+    Invalid(String),
+    #[error(transparent)]
+    MountOption(#[from] MountOptionError),
+}
+
+fn invalid(msg: impl Into<String>) -> VolumeError {
+    VolumeError::Invalid(msg.into())
+}
+
+/// Static S3 credentials from a Kubernetes Secret. `Debug` never shows the values.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Credentials {
+    access_key_id: String,
+    secret_access_key: String,
+    session_token: Option<String>,
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Credentials")
+            .field("access_key_id", &"<redacted>")
+            .field("secret_access_key", &"<redacted>")
+            .field(
+                "session_token",
+                &self.session_token.as_ref().map(|_| "<redacted>"),
+            )
+            .finish()
+    }
+}
+
+impl Credentials {
+    pub fn new(access_key_id: &str, secret_access_key: &str, session_token: Option<&str>) -> Self {
+        Self {
+            access_key_id: access_key_id.to_string(),
+            secret_access_key: secret_access_key.to_string(),
+            session_token: session_token.map(str::to_string),
+        }
+    }
+
+    /// `None` when the Secret carries no keys (use the default credential chain). Errors
+    /// name keys, never values. Unknown keys are ignored: one Secret may serve several tools.
+    pub fn from_secrets(secrets: &HashMap<String, String>) -> Result<Option<Self>, VolumeError> {
+        let get = |k: &str| secrets.get(k).map(|v| v.trim()).filter(|v| !v.is_empty());
+        match (
+            get(SECRET_ACCESS_KEY_ID),
+            get(SECRET_SECRET_ACCESS_KEY),
+            get(SECRET_SESSION_TOKEN),
+        ) {
+            (None, None, None) => Ok(None),
+            (Some(id), Some(secret), token) => Ok(Some(Self::new(id, secret, token))),
+            (None, _, _) => Err(invalid(format!(
+                "secret has no {SECRET_ACCESS_KEY_ID:?} (needs {SECRET_ACCESS_KEY_ID} and {SECRET_SECRET_ACCESS_KEY})"
+            ))),
+            (Some(_), None, _) => Err(invalid(format!(
+                "secret has {SECRET_ACCESS_KEY_ID:?} but no {SECRET_SECRET_ACCESS_KEY:?}"
+            ))),
+        }
+    }
+
+    pub fn access_key_id(&self) -> &str {
+        &self.access_key_id
+    }
+
+    pub fn secret_access_key(&self) -> &str {
+        &self.secret_access_key
+    }
+
+    pub fn session_token(&self) -> Option<&str> {
+        self.session_token.as_deref()
+    }
+
+    /// The environment the AWS SDK's default chain reads first. The only way credentials
+    /// reach a mounter process: never argv, never a file name, never a log line.
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        let mut env = vec![
+            ("AWS_ACCESS_KEY_ID", self.access_key_id.clone()),
+            ("AWS_SECRET_ACCESS_KEY", self.secret_access_key.clone()),
+        ];
+        if let Some(t) = &self.session_token {
+            env.push(("AWS_SESSION_TOKEN", t.clone()));
+        }
+        env
+    }
+
+    /// Removes every secret value from `text` (for messages that come from a child process).
+    pub fn scrub(&self, text: &str) -> String {
+        let mut out = text.to_string();
+        for v in [Some(&self.secret_access_key), self.session_token.as_ref()]
+            .into_iter()
+            .flatten()
+        {
+            if v.len() >= 4 {
+                out = out.replace(v.as_str(), "<redacted>");
+            }
+        }
+        out
+    }
+}
+
+/// A volume handle: `bucket` or `bucket/prefix/...`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeHandle {
+    pub bucket: String,
+    /// Normalised: empty or ending in `/`.
+    pub prefix: String,
+}
+
+impl VolumeHandle {
+    pub fn parse(handle: &str) -> Result<Self, VolumeError> {
+        let (bucket, prefix) = handle.split_once('/').unwrap_or((handle, ""));
+        validate_bucket_name(bucket)
+            .map_err(|e| invalid(format!("volume handle {handle:?}: {e}")))?;
+        let prefix = normalize_prefix(prefix)
+            .map_err(|e| invalid(format!("volume handle {handle:?}: {e}")))?;
+        Ok(Self {
+            bucket: bucket.to_string(),
+            prefix,
+        })
+    }
+
+    /// The handle string for this bucket and prefix (inverse of [`VolumeHandle::parse`]).
+    pub fn id(&self) -> String {
+        let p = self.prefix.trim_end_matches('/');
+        if p.is_empty() {
+            self.bucket.clone()
+        } else {
+            format!("{}/{}", self.bucket, p)
+        }
+    }
+}
+
+fn parse_bool(key: &str, v: &str) -> Result<bool, VolumeError> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "true" | "1" | "yes" => Ok(true),
+        "false" | "0" | "no" | "" => Ok(false),
+        _ => Err(invalid(format!("{key}: expected true or false, got {v:?}"))),
+    }
+}
+
+fn is_kubernetes_key(k: &str) -> bool {
+    k.contains('/')
+}
+
+/// Where the bucket is, as the volume context or the driver's defaults say.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct S3Location {
+    pub region: Option<String>,
+    pub endpoint_url: Option<String>,
+    pub force_path_style: Option<bool>,
+}
+
+impl S3Location {
+    /// `self` where set, else `defaults`.
+    pub fn or(&self, defaults: &Endpoint) -> Endpoint {
+        Endpoint {
+            region: self.region.clone().or_else(|| defaults.region.clone()),
+            endpoint_url: self
+                .endpoint_url
+                .clone()
+                .or_else(|| defaults.endpoint_url.clone()),
+            force_path_style: self.force_path_style.unwrap_or(defaults.force_path_style),
+        }
+    }
+
+    fn set(&mut self, key: &str, value: &str) -> Result<bool, VolumeError> {
+        match key {
+            KEY_REGION => {
+                let mut probe = MountConfig::new(BucketSource::parse("probe").expect("valid"));
+                probe.apply_option("region", Some(value))?;
+                self.region = probe.endpoint.region;
+            }
+            KEY_ENDPOINT_URL => {
+                let mut probe = MountConfig::new(BucketSource::parse("probe").expect("valid"));
+                probe.apply_option("endpoint-url", Some(value))?;
+                self.endpoint_url = probe.endpoint.endpoint_url;
+            }
+            KEY_FORCE_PATH_STYLE => self.force_path_style = Some(parse_bool(key, value)?),
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+}
+
+/// Parsed volume context (PV `volumeAttributes` or CreateVolume's `volume_context`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct VolumeContext {
+    pub bucket: Option<String>,
+    pub prefix: Option<String>,
+    pub location: S3Location,
+}
+
+impl VolumeContext {
+    pub fn parse(ctx: &HashMap<String, String>) -> Result<Self, VolumeError> {
+        let mut out = Self::default();
+        let mut keys: Vec<&String> = ctx.keys().collect();
+        keys.sort();
+        for k in keys {
+            let v = &ctx[k];
+            match k.as_str() {
+                KEY_BUCKET => {
+                    validate_bucket_name(v).map_err(|e| invalid(format!("{KEY_BUCKET}: {e}")))?;
+                    out.bucket = Some(v.clone());
+                }
+                KEY_PREFIX => {
+                    out.prefix = Some(
+                        normalize_prefix(v).map_err(|e| invalid(format!("{KEY_PREFIX}: {e}")))?,
+                    )
+                }
+                _ if is_kubernetes_key(k) => {}
+                _ => {
+                    if !out.location.set(k, v)? {
+                        return Err(invalid(format!("unknown volume attribute {k:?}")));
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// StorageClass parameters of CreateVolume.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StorageClassParams {
+    pub bucket: String,
+    /// Normalised: empty or ending in `/`.
+    pub base_prefix: String,
+    pub location: S3Location,
+}
+
+impl StorageClassParams {
+    pub fn parse(params: &HashMap<String, String>) -> Result<Self, VolumeError> {
+        let mut bucket = None;
+        let mut base_prefix = String::new();
+        let mut location = S3Location::default();
+        let mut keys: Vec<&String> = params.keys().collect();
+        keys.sort();
+        for k in keys {
+            let v = &params[k];
+            match k.as_str() {
+                KEY_BUCKET => {
+                    validate_bucket_name(v).map_err(|e| invalid(format!("{KEY_BUCKET}: {e}")))?;
+                    bucket = Some(v.clone());
+                }
+                KEY_BASE_PREFIX => {
+                    base_prefix = normalize_prefix(v)
+                        .map_err(|e| invalid(format!("{KEY_BASE_PREFIX}: {e}")))?
+                }
+                _ if is_kubernetes_key(k) => {}
+                _ => {
+                    if !location.set(k, v)? {
+                        return Err(invalid(format!("unknown StorageClass parameter {k:?}")));
+                    }
+                }
+            }
+        }
+        let bucket = bucket
+            .ok_or_else(|| invalid(format!("StorageClass parameter {KEY_BUCKET:?} is required")))?;
+        Ok(Self {
+            bucket,
+            base_prefix,
+            location,
+        })
+    }
+
+    /// The handle of the volume CreateVolume makes for request `name`:
+    /// `bucket/basePrefix/<sanitised name>`.
+    pub fn volume_for(&self, name: &str) -> Result<VolumeHandle, VolumeError> {
+        let leaf = sanitize_name(name)?;
+        Ok(VolumeHandle {
+            bucket: self.bucket.clone(),
+            prefix: format!("{}{}/", self.base_prefix, leaf),
+        })
+    }
+}
+
+/// A CreateVolume name as one key path component: `[A-Za-z0-9._-]`, others become `-`.
+pub fn sanitize_name(name: &str) -> Result<String, VolumeError> {
+    let out: String = name
+        .trim()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    if out.is_empty() || out.chars().all(|c| c == '.') || out.len() > 128 {
+        return Err(invalid(format!(
+            "volume name {name:?} cannot name a prefix"
+        )));
+    }
+    Ok(out)
+}
+
+/// Everything the node service needs to publish one volume, validated.
+#[derive(Debug, Clone)]
+pub struct PublishSpec {
+    pub volume_id: String,
+    pub source: BucketSource,
+    pub endpoint: Endpoint,
+    pub read_only: bool,
+    /// fsGroup (CSI VOLUME_MOUNT_GROUP): the mount's gid, with group-writable modes.
+    pub mount_group: Option<u32>,
+    /// The PV's `mountOptions`, each checked against [`MountConfig::apply_option`].
+    pub mount_flags: Vec<String>,
+    pub credentials: Option<Credentials>,
+    /// The validated result of all of the above, as the mounter will see it.
+    pub config: MountConfig,
+}
+
+pub struct PublishInput<'a> {
+    pub volume_id: &'a str,
+    pub volume_context: &'a HashMap<String, String>,
+    pub publish_context: &'a HashMap<String, String>,
+    pub secrets: &'a HashMap<String, String>,
+    pub mount_flags: &'a [String],
+    pub volume_mount_group: &'a str,
+    pub read_only: bool,
+    pub defaults: &'a Endpoint,
+}
+
+impl PublishSpec {
+    pub fn parse(input: PublishInput<'_>) -> Result<Self, VolumeError> {
+        let handle = VolumeHandle::parse(input.volume_id)?;
+        // The publish context (from a controller) may refine the volume context.
+        let mut merged = input.volume_context.clone();
+        merged.extend(
+            input
+                .publish_context
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone())),
+        );
+        let ctx = VolumeContext::parse(&merged)?;
+        if let Some(b) = &ctx.bucket {
+            if *b != handle.bucket {
+                return Err(invalid(format!(
+                    "volume attribute bucket {b:?} differs from the volume handle's bucket {:?}",
+                    handle.bucket
+                )));
+            }
+        }
+        let prefix = ctx.prefix.clone().unwrap_or_else(|| handle.prefix.clone());
+        let source = BucketSource::new(&handle.bucket, &prefix)?;
+        let endpoint = ctx.location.or(input.defaults);
+        let mount_group = match input.volume_mount_group.trim() {
+            "" => None,
+            g => Some(
+                g.parse::<u32>()
+                    .ok()
+                    .filter(|g| *g != u32::MAX)
+                    .ok_or_else(|| {
+                        invalid(format!("volume_mount_group {g:?} is not a numeric gid"))
+                    })?,
+            ),
+        };
+        let mut config = MountConfig::new(source.clone());
+        config.endpoint = endpoint.clone();
+        config.allow_other = true;
+        if let Some(g) = mount_group {
+            config.gid = g;
+            config.file_mode = 0o664;
+            config.dir_mode = 0o775;
+        }
+        for flag in input.mount_flags {
+            config.apply_option_list(flag)?;
+        }
+        if input.read_only {
+            config.read_only = true;
+        }
+        Ok(Self {
+            volume_id: input.volume_id.to_string(),
+            source,
+            endpoint,
+            read_only: config.read_only,
+            mount_group,
+            mount_flags: input
+                .mount_flags
+                .iter()
+                .map(|f| f.trim().to_string())
+                .filter(|f| !f.is_empty())
+                .collect(),
+            credentials: Credentials::from_secrets(input.secrets)?,
+            config,
+        })
+    }
+
+    /// `BUCKET[:PREFIX]` for the mount command.
+    pub fn source_arg(&self) -> String {
+        let p = self.source.prefix.trim_end_matches('/');
+        if p.is_empty() {
+            self.source.bucket.clone()
+        } else {
+            format!("{}:{}", self.source.bucket, p)
+        }
+    }
+
+    /// Options for `s3csi mount` (without `--foreground`, source and mount point). The
+    /// PV's mount options come last so that they win over what we derive.
+    pub fn mount_args(&self) -> Vec<String> {
+        let mut args = Vec::new();
+        if let Some(url) = &self.endpoint.endpoint_url {
+            args.extend(["--endpoint-url".to_string(), url.clone()]);
+        }
+        if let Some(r) = &self.endpoint.region {
+            args.extend(["--region".to_string(), r.clone()]);
+        }
+        if self.endpoint.force_path_style {
+            args.push("--force-path-style".into());
+        }
+        // Pods run as any uid: without allow-other only root could enter the mount.
+        args.push("--allow-other".into());
+        if self.read_only {
+            args.push("--read-only".into());
+        }
+        let mut opts = Vec::new();
+        if let Some(g) = self.mount_group {
+            opts.push(format!("gid={g},file-mode=0664,dir-mode=0775"));
+        }
+        opts.extend(self.mount_flags.iter().cloned());
+        if !opts.is_empty() {
+            args.extend(["-o".to_string(), opts.join(",")]);
+        }
+        // `s3csi mount` applies flags after `-o` lists, so --read-only above wins over an
+        // `rw` in the PV's options.
+        args
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn handles() {
+        let h = VolumeHandle::parse("bkt").unwrap();
+        assert_eq!((h.bucket.as_str(), h.prefix.as_str()), ("bkt", ""));
+        let h = VolumeHandle::parse("bkt/a/b").unwrap();
+        assert_eq!(h.prefix, "a/b/");
+        assert_eq!(h.id(), "bkt/a/b");
+        assert!(VolumeHandle::parse("bkt/../x").is_err());
+        assert!(VolumeHandle::parse("Bad!").is_err());
+    }
+
+    #[test]
+    fn credentials_need_both_keys_and_never_print() {
+        assert_eq!(Credentials::from_secrets(&map(&[])).unwrap(), None);
+        let c = Credentials::from_secrets(&map(&[
+            ("accessKeyId", "AKIDEXAMPLE"),
+            ("secretAccessKey", "sekrit-value"),
+            ("unrelated", "x"),
+        ]))
+        .unwrap()
+        .unwrap();
+        let dbg = format!("{c:?}");
+        assert!(
+            !dbg.contains("AKIDEXAMPLE") && !dbg.contains("sekrit"),
+            "{dbg}"
+        );
+        assert_eq!(c.scrub("oops sekrit-value"), "oops <redacted>");
+        let err = Credentials::from_secrets(&map(&[("accessKeyId", "AKIDEXAMPLE")]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("secretAccessKey") && !err.contains("AKIDEXAMPLE"));
+    }
+
+    #[test]
+    fn publish_spec_merges_context_and_validates_flags() {
+        let ctx = map(&[
+            ("endpointUrl", "http://127.0.0.1:9000"),
+            ("forcePathStyle", "true"),
+            ("csi.storage.k8s.io/pod.name", "p"),
+        ]);
+        let none = HashMap::new();
+        let flags = vec!["uid=1000".to_string(), "metadata-ttl=5s".to_string()];
+        let spec = PublishSpec::parse(PublishInput {
+            volume_id: "bkt/vol",
+            volume_context: &ctx,
+            publish_context: &none,
+            secrets: &none,
+            mount_flags: &flags,
+            volume_mount_group: "2000",
+            read_only: true,
+            defaults: &Endpoint::default(),
+        })
+        .unwrap();
+        assert_eq!(spec.source_arg(), "bkt:vol");
+        assert_eq!(spec.config.gid, 2000);
+        assert_eq!(spec.config.uid, 1000);
+        let args = spec.mount_args().join(" ");
+        assert!(args.contains("--endpoint-url http://127.0.0.1:9000 --force-path-style"));
+        assert!(args.contains("-o gid=2000,file-mode=0664,dir-mode=0775,uid=1000,metadata-ttl=5s"));
+        assert!(args.contains("--read-only"));
+
+        let bad = vec!["bogus-option=1".to_string()];
+        let err = PublishSpec::parse(PublishInput {
+            volume_id: "bkt",
+            volume_context: &none,
+            publish_context: &none,
+            secrets: &none,
+            mount_flags: &bad,
+            volume_mount_group: "",
+            read_only: false,
+            defaults: &Endpoint::default(),
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("bogus-option"), "{err}");
+        let err = VolumeContext::parse(&map(&[("endpointURL", "x")])).unwrap_err();
+        assert!(err.to_string().contains("endpointURL"));
+    }
+
+    #[test]
+    fn storage_class_params() {
+        let p =
+            StorageClassParams::parse(&map(&[("bucket", "bkt"), ("basePrefix", "/k8s/")])).unwrap();
+        assert_eq!(p.volume_for("pvc-1 2").unwrap().id(), "bkt/k8s/pvc-1-2");
+        assert!(StorageClassParams::parse(&map(&[("basePrefix", "x")])).is_err());
+        assert!(StorageClassParams::parse(&map(&[("bucket", "bkt"), ("colour", "x")])).is_err());
+        assert!(sanitize_name("..").is_err());
+    }
+}

@@ -1,0 +1,324 @@
+//! The Kubernetes CSI driver: `s3csi csi --endpoint unix:///csi/csi.sock --mode node|controller|all`.
+//!
+//! Thin gRPC adapters ([`identity`], [`node`], [`controller`]) over typed configuration
+//! (`config::volume`), the mounter (`mounter`) and the S3 client; every error becomes a
+//! `tonic::Status` once, in [`error`]. Served on a unix socket only (mode 0600, its
+//! directory 0700 when we create it); SIGTERM/SIGINT stop serving gracefully and leave
+//! the mounts running for the next start to adopt.
+//!
+//! Advertised capabilities: plugin CONTROLLER_SERVICE (when the controller runs);
+//! controller CREATE_DELETE_VOLUME; node GET_VOLUME_STATS, VOLUME_CONDITION,
+//! VOLUME_MOUNT_GROUP.
+
+pub mod controller;
+pub mod error;
+pub mod identity;
+pub mod node;
+pub mod pb;
+
+use crate::mounter::{ProcessMounter, Timeouts};
+use crate::s3::aws::Endpoint;
+use error::CsiError;
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    Node,
+    Controller,
+    All,
+}
+
+#[derive(Debug, Clone, clap::Args)]
+#[command(
+    about = "Serve the Kubernetes CSI driver (identity, node and/or controller) on a unix socket"
+)]
+pub struct CsiArgs {
+    /// The socket to serve on: unix:///path/csi.sock (or a plain path)
+    #[arg(long, env = "CSI_ENDPOINT", default_value = "unix:///csi/csi.sock")]
+    pub endpoint: String,
+    /// This node's name, as NodeGetInfo reports it (required for the node service)
+    #[arg(long, env = "CSI_NODE_ID")]
+    pub node_id: Option<String>,
+    /// Which services to serve
+    #[arg(long, value_enum, default_value = "all")]
+    pub mode: Mode,
+    /// The driver name (CSIDriver object, StorageClass provisioner)
+    #[arg(long, default_value = "s3csi.dev")]
+    pub driver_name: String,
+    /// Where mount records and mounter logs live (must survive a restart of the node service)
+    #[arg(long, default_value = "/var/lib/s3csi")]
+    pub state_dir: PathBuf,
+    /// Refuse target paths outside this directory (kubelet's root, e.g. /var/lib/kubelet)
+    #[arg(long)]
+    pub kubelet_dir: Option<PathBuf>,
+    /// Default S3 endpoint for volumes whose context names none (and for DeleteVolume)
+    #[arg(long, env = "S3CSI_ENDPOINT_URL")]
+    pub s3_endpoint_url: Option<String>,
+    /// Default S3 region for volumes whose context names none (and for DeleteVolume)
+    #[arg(long, env = "S3CSI_REGION")]
+    pub s3_region: Option<String>,
+    /// Default to path-style addressing (ENDPOINT/BUCKET)
+    #[arg(long, env = "S3CSI_FORCE_PATH_STYLE")]
+    pub s3_force_path_style: bool,
+    /// How long a mount may take to appear, in seconds
+    #[arg(long, default_value = "60")]
+    pub mount_timeout: u64,
+    /// How long an unmount may take before a lazy unmount, in seconds
+    #[arg(long, default_value = "30")]
+    pub unmount_timeout: u64,
+}
+
+/// One operation at a time per key (a target path, or `volume:<id>`); a second concurrent
+/// call gets ABORTED, as the CSI spec asks.
+#[derive(Clone, Default)]
+pub struct InFlight(Arc<Mutex<HashSet<PathBuf>>>);
+
+pub struct InFlightGuard {
+    set: Arc<Mutex<HashSet<PathBuf>>>,
+    key: PathBuf,
+}
+
+impl InFlight {
+    pub fn try_begin(&self, key: &Path) -> Result<InFlightGuard, CsiError> {
+        let mut set = self.0.lock().unwrap();
+        if !set.insert(key.to_path_buf()) {
+            return Err(CsiError::Aborted(format!(
+                "an operation on {} is already in progress",
+                key.display()
+            )));
+        }
+        Ok(InFlightGuard {
+            set: self.0.clone(),
+            key: key.to_path_buf(),
+        })
+    }
+}
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        self.set.lock().unwrap().remove(&self.key);
+    }
+}
+
+/// `unix:///a/b.sock`, `unix:/a/b.sock` or `/a/b.sock` → `/a/b.sock`.
+pub fn socket_path(endpoint: &str) -> Result<PathBuf, String> {
+    let path = endpoint
+        .strip_prefix("unix://")
+        .or_else(|| endpoint.strip_prefix("unix:"))
+        .unwrap_or(endpoint);
+    if endpoint.contains("://") && !endpoint.starts_with("unix://") {
+        return Err(format!(
+            "endpoint {endpoint:?}: only unix:// sockets are served"
+        ));
+    }
+    let p = PathBuf::from(path);
+    if !p.is_absolute() {
+        return Err(format!(
+            "endpoint {endpoint:?}: the socket path must be absolute"
+        ));
+    }
+    Ok(p)
+}
+
+/// Binds the socket: creates its directory (0700), replaces a stale socket file, refuses
+/// to steal a live one, and makes the socket 0600.
+fn bind_socket(path: &Path) -> Result<tokio::net::UnixListener, String> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    if let Some(dir) = path.parent() {
+        if !dir.exists() {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+            let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
+        }
+    }
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            return Err(format!("{} exists and is not a socket", path.display()));
+        }
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(format!("another server is listening on {}", path.display()));
+        }
+        std::fs::remove_file(path)
+            .map_err(|e| format!("cannot remove stale socket {}: {e}", path.display()))?;
+    }
+    let listener = tokio::net::UnixListener::bind(path)
+        .map_err(|e| format!("cannot listen on {}: {e}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| format!("cannot restrict {}: {e}", path.display()))?;
+    Ok(listener)
+}
+
+fn init_logging() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .try_init();
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        return std::future::pending().await;
+    };
+    let name = tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
+    };
+    tracing::info!(signal = name, "stopping; mounts keep running");
+}
+
+/// Serves until SIGTERM/SIGINT. Returns the process exit code.
+pub fn run(args: CsiArgs) -> i32 {
+    init_logging();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("s3csi-csi")
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("s3csi: cannot start runtime: {e}");
+            return 1;
+        }
+    };
+    match rt.block_on(serve(args, shutdown_signal())) {
+        Ok(()) => 0,
+        Err(e) => {
+            tracing::error!("{e}");
+            eprintln!("s3csi: {e}");
+            1
+        }
+    }
+}
+
+/// Builds the services `args` asks for and serves them until `shutdown` completes.
+pub async fn serve(
+    args: CsiArgs,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<(), String> {
+    use pb::controller_server::ControllerServer;
+    use pb::identity_server::IdentityServer;
+    use pb::node_server::NodeServer;
+    let node = matches!(args.mode, Mode::Node | Mode::All);
+    let controller = matches!(args.mode, Mode::Controller | Mode::All);
+    let defaults = Endpoint {
+        region: args.s3_region.clone(),
+        endpoint_url: args.s3_endpoint_url.clone(),
+        force_path_style: args.s3_force_path_style,
+    };
+    let path = socket_path(&args.endpoint)?;
+    let in_flight = InFlight::default();
+
+    let node_service = if node {
+        let node_id = args
+            .node_id
+            .clone()
+            .filter(|n| !n.is_empty())
+            .ok_or("--node-id is required for the node service")?;
+        let bin =
+            std::env::current_exe().map_err(|e| format!("cannot find our own binary: {e}"))?;
+        let mounter = ProcessMounter::new(
+            bin,
+            args.state_dir.clone(),
+            Timeouts {
+                mount: Duration::from_secs(args.mount_timeout.max(1)),
+                unmount: Duration::from_secs(args.unmount_timeout.max(1)),
+            },
+        )
+        .map_err(|e| {
+            format!(
+                "cannot use state directory {}: {e}",
+                args.state_dir.display()
+            )
+        })?;
+        let adopted = mounter.recover();
+        if adopted > 0 {
+            tracing::info!(adopted, "adopted mounts from a previous run");
+        }
+        let kubelet_dir = match &args.kubelet_dir {
+            Some(d) => Some(
+                std::fs::canonicalize(d)
+                    .map_err(|e| format!("--kubelet-dir {}: {e}", d.display()))?,
+            ),
+            None => None,
+        };
+        Some(NodeServer::new(node::NodeService {
+            node_id,
+            mounter: Arc::new(mounter),
+            kubelet_dir,
+            defaults: defaults.clone(),
+            in_flight: in_flight.clone(),
+        }))
+    } else {
+        None
+    };
+    let controller_service = controller.then(|| {
+        ControllerServer::new(controller::ControllerService {
+            defaults: defaults.clone(),
+            in_flight: in_flight.clone(),
+        })
+    });
+
+    let listener = bind_socket(&path)?;
+    tracing::info!(
+        socket = %path.display(),
+        driver = %args.driver_name,
+        mode = ?args.mode,
+        version = env!("CARGO_PKG_VERSION"),
+        "serving CSI"
+    );
+    let router = tonic::transport::Server::builder()
+        .add_service(IdentityServer::new(identity::IdentityService {
+            driver_name: args.driver_name.clone(),
+            controller,
+        }))
+        .add_optional_service(node_service)
+        .add_optional_service(controller_service);
+    let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+    let result = router
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await
+        .map_err(|e| format!("server failed: {e}"));
+    let _ = std::fs::remove_file(&path);
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints() {
+        assert_eq!(
+            socket_path("unix:///csi/csi.sock").unwrap(),
+            PathBuf::from("/csi/csi.sock")
+        );
+        assert_eq!(
+            socket_path("unix:/a.sock").unwrap(),
+            PathBuf::from("/a.sock")
+        );
+        assert!(socket_path("tcp://0.0.0.0:1").is_err());
+        assert!(socket_path("unix://rel.sock").is_err());
+    }
+
+    #[test]
+    fn in_flight_guard() {
+        let f = InFlight::default();
+        let g = f.try_begin(Path::new("/t")).unwrap();
+        assert!(matches!(
+            f.try_begin(Path::new("/t")),
+            Err(CsiError::Aborted(_))
+        ));
+        drop(g);
+        assert!(f.try_begin(Path::new("/t")).is_ok());
+    }
+}

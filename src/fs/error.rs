@@ -1,0 +1,62 @@
+//! The file system's one error type, mapped to an errno once, at the FUSE edge.
+
+use crate::s3::S3Error;
+
+#[derive(Debug, thiserror::Error)]
+pub enum FsError {
+    #[error("no such file or directory")]
+    NotFound,
+    #[error("file exists")]
+    Exists,
+    #[error("directory not empty")]
+    NotEmpty,
+    #[error("not a directory")]
+    NotDir,
+    #[error("is a directory")]
+    IsDir,
+    #[error("read-only file system")]
+    ReadOnly,
+    #[error("file is busy: {0}")]
+    Busy(&'static str),
+    #[error("invalid name")]
+    InvalidName,
+    #[error("name too long")]
+    NameTooLong,
+    #[error("bad file handle")]
+    BadHandle,
+    #[error("not supported: {0}")]
+    Unsupported(&'static str),
+    #[error("renaming directories is not supported (EXDEV lets mv copy instead)")]
+    CrossDevice,
+    #[error("invalid argument: {0}")]
+    Invalid(&'static str),
+    #[error("upload failed earlier: {0}")]
+    UploadFailed(S3Error),
+    #[error(transparent)]
+    S3(#[from] S3Error),
+}
+
+impl FsError {
+    pub fn errno(&self) -> i32 {
+        match self {
+            FsError::NotFound => libc::ENOENT,
+            FsError::Exists => libc::EEXIST,
+            FsError::NotEmpty => libc::ENOTEMPTY,
+            FsError::NotDir => libc::ENOTDIR,
+            FsError::IsDir => libc::EISDIR,
+            FsError::ReadOnly => libc::EROFS,
+            FsError::Busy(_) => libc::EBUSY,
+            FsError::InvalidName => libc::EINVAL,
+            FsError::NameTooLong => libc::ENAMETOOLONG,
+            FsError::BadHandle => libc::EBADF,
+            FsError::Unsupported(_) => libc::EOPNOTSUPP,
+            FsError::CrossDevice => libc::EXDEV,
+            FsError::Invalid(_) => libc::EINVAL,
+            // A failed upload is reported as EIO whatever S3 said: the data is not durable.
+            FsError::UploadFailed(_) => libc::EIO,
+            FsError::S3(e) => e.errno(),
+        }
+    }
+}
+
+pub type FsResult<T> = Result<T, FsError>;

@@ -1,0 +1,320 @@
+//! The inode table: stable inode numbers for the names the kernel knows about.
+//!
+//! Invariants: the root (ino 1) is never removed; `by_name` maps `(parent, name)` to the
+//! inode currently bound to that name; an inode is removed once the kernel has forgotten
+//! it (lookup count 0) and no handle has it open. Entries that only a listing created
+//! (lookup count 0) are evicted in bulk when the table grows past its cap, so huge
+//! directories do not pin memory.
+
+use std::collections::HashMap;
+use std::time::{Instant, SystemTime};
+
+pub const ROOT_INO: u64 = 1;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    File,
+    Dir,
+}
+
+#[derive(Debug, Clone)]
+pub struct Inode {
+    pub ino: u64,
+    pub parent: u64,
+    pub name: String,
+    pub kind: Kind,
+    /// Full object key; directories end with `/` (the root is the mount prefix, maybe "").
+    pub key: String,
+    pub size: u64,
+    pub mtime: SystemTime,
+    pub etag: Option<String>,
+    /// When S3 last confirmed this metadata; `None` forces a refresh.
+    pub validated: Option<Instant>,
+    pub lookups: u64,
+    pub open_handles: u32,
+    /// File handle of the writer streaming a new version of this file, if any.
+    pub writer: Option<u64>,
+    /// Created in this mount and not yet uploaded: S3 does not know it yet.
+    pub local_only: bool,
+}
+
+impl Inode {
+    pub fn child_key(&self, name: &str, kind: Kind) -> String {
+        match kind {
+            Kind::File => format!("{}{}", self.key, name),
+            Kind::Dir => format!("{}{}/", self.key, name),
+        }
+    }
+}
+
+pub struct InodeTable {
+    by_ino: HashMap<u64, Inode>,
+    by_name: HashMap<(u64, String), u64>,
+    next_ino: u64,
+    evict_above: usize,
+}
+
+impl InodeTable {
+    pub fn new(root_key: String, mount_time: SystemTime, evict_above: usize) -> Self {
+        let root = Inode {
+            ino: ROOT_INO,
+            parent: ROOT_INO,
+            name: String::new(),
+            kind: Kind::Dir,
+            key: root_key,
+            size: 0,
+            mtime: mount_time,
+            etag: None,
+            validated: None,
+            lookups: 1,
+            open_handles: 0,
+            writer: None,
+            local_only: false,
+        };
+        Self {
+            by_ino: HashMap::from([(ROOT_INO, root)]),
+            by_name: HashMap::new(),
+            next_ino: ROOT_INO + 1,
+            evict_above,
+        }
+    }
+
+    pub fn get(&self, ino: u64) -> Option<&Inode> {
+        self.by_ino.get(&ino)
+    }
+
+    pub fn get_mut(&mut self, ino: u64) -> Option<&mut Inode> {
+        self.by_ino.get_mut(&ino)
+    }
+
+    pub fn child(&self, parent: u64, name: &str) -> Option<&Inode> {
+        self.by_name
+            .get(&(parent, name.to_string()))
+            .and_then(|i| self.by_ino.get(i))
+    }
+
+    pub fn children_of(&self, parent: u64) -> impl Iterator<Item = &Inode> {
+        self.by_ino
+            .values()
+            .filter(move |i| i.parent == parent && i.ino != ROOT_INO)
+            .filter(|i| self.by_name.get(&(i.parent, i.name.clone())) == Some(&i.ino))
+    }
+
+    /// Binds `name` under `parent` to an inode of `kind` with fresh metadata, reusing the
+    /// existing inode when the kind matches, so inode numbers stay stable across refreshes.
+    pub fn upsert(
+        &mut self,
+        parent: u64,
+        name: &str,
+        kind: Kind,
+        size: u64,
+        mtime: SystemTime,
+        etag: Option<String>,
+    ) -> u64 {
+        let now = Instant::now();
+        if let Some(existing) = self.by_name.get(&(parent, name.to_string())).copied() {
+            if let Some(inode) = self.by_ino.get_mut(&existing) {
+                if inode.kind == kind {
+                    // A writer's size and a local-only file are ours to report, not S3's.
+                    if inode.writer.is_none() {
+                        inode.size = size;
+                        inode.mtime = mtime;
+                        inode.etag = etag;
+                        inode.local_only = false;
+                    }
+                    inode.validated = Some(now);
+                    return existing;
+                }
+            }
+        }
+        let Some(parent_inode) = self.by_ino.get(&parent) else {
+            return 0;
+        };
+        let key = parent_inode.child_key(name, kind);
+        let ino = self.next_ino;
+        self.next_ino += 1;
+        self.by_ino.insert(
+            ino,
+            Inode {
+                ino,
+                parent,
+                name: name.to_string(),
+                kind,
+                key,
+                size,
+                mtime,
+                etag,
+                validated: Some(now),
+                lookups: 0,
+                open_handles: 0,
+                writer: None,
+                local_only: false,
+            },
+        );
+        self.by_name.insert((parent, name.to_string()), ino);
+        if self.by_ino.len() > self.evict_above {
+            self.evict_idle();
+        }
+        ino
+    }
+
+    /// Unbinds `name`; the inode itself lives on until the kernel forgets it.
+    pub fn unbind(&mut self, parent: u64, name: &str) -> Option<u64> {
+        let ino = self.by_name.remove(&(parent, name.to_string()))?;
+        self.maybe_remove(ino);
+        Some(ino)
+    }
+
+    /// Moves an inode to a new name (after a rename in S3). Returns the inode that was
+    /// bound to the target name before, if any.
+    pub fn rebind(&mut self, ino: u64, new_parent: u64, new_name: &str) -> Option<u64> {
+        let (old_parent, old_name) = {
+            let i = self.by_ino.get(&ino)?;
+            (i.parent, i.name.clone())
+        };
+        if self.by_name.get(&(old_parent, old_name.clone())) == Some(&ino) {
+            self.by_name.remove(&(old_parent, old_name));
+        }
+        let replaced = self.by_name.insert((new_parent, new_name.to_string()), ino);
+        let new_key = self
+            .by_ino
+            .get(&new_parent)
+            .map(|p| p.child_key(new_name, Kind::File));
+        if let (Some(i), Some(key)) = (self.by_ino.get_mut(&ino), new_key) {
+            i.parent = new_parent;
+            i.name = new_name.to_string();
+            i.key = key;
+        }
+        if let Some(r) = replaced {
+            self.maybe_remove(r);
+        }
+        replaced
+    }
+
+    pub fn add_lookup(&mut self, ino: u64) {
+        if let Some(i) = self.by_ino.get_mut(&ino) {
+            i.lookups += 1;
+        }
+    }
+
+    pub fn forget(&mut self, ino: u64, n: u64) {
+        if let Some(i) = self.by_ino.get_mut(&ino) {
+            i.lookups = i.lookups.saturating_sub(n);
+        }
+        self.maybe_remove(ino);
+    }
+
+    /// Drops an inode nobody refers to any more: not the kernel, no handle, no name that
+    /// a listing might hand out again.
+    fn maybe_remove(&mut self, ino: u64) {
+        let Some(i) = self.by_ino.get(&ino) else {
+            return;
+        };
+        if ino == ROOT_INO || i.lookups > 0 || i.open_handles > 0 || i.writer.is_some() {
+            return;
+        }
+        let bound = self.by_name.get(&(i.parent, i.name.clone())) == Some(&ino);
+        if bound && i.local_only {
+            return;
+        }
+        if bound {
+            self.by_name.remove(&(i.parent, i.name.clone()));
+        }
+        self.by_ino.remove(&ino);
+    }
+
+    /// Removes every inode that only a listing created and nobody holds.
+    pub fn evict_idle(&mut self) {
+        let idle: Vec<u64> = self
+            .by_ino
+            .values()
+            .filter(|i| {
+                i.ino != ROOT_INO
+                    && i.lookups == 0
+                    && i.open_handles == 0
+                    && i.writer.is_none()
+                    && !i.local_only
+            })
+            .map(|i| i.ino)
+            .collect();
+        for ino in idle {
+            if let Some(i) = self.by_ino.remove(&ino) {
+                if self.by_name.get(&(i.parent, i.name.clone())) == Some(&ino) {
+                    self.by_name.remove(&(i.parent, i.name));
+                }
+            }
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_ino.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_ino.is_empty()
+    }
+
+    /// Inserts a brand-new inode for a name created in this mount.
+    pub fn create_local(&mut self, parent: u64, name: &str, kind: Kind) -> Option<u64> {
+        let ino = self.upsert(parent, name, kind, 0, SystemTime::now(), None);
+        if ino == 0 {
+            return None;
+        }
+        let i = self.by_ino.get_mut(&ino)?;
+        i.size = 0;
+        i.mtime = SystemTime::now();
+        i.etag = None;
+        i.local_only = kind == Kind::File;
+        Some(ino)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn upsert_keeps_inode_numbers_stable() {
+        let mut t = InodeTable::new(String::new(), SystemTime::now(), 1000);
+        let a = t.upsert(ROOT_INO, "a", Kind::File, 1, SystemTime::now(), None);
+        let b = t.upsert(ROOT_INO, "a", Kind::File, 2, SystemTime::now(), None);
+        assert_eq!(a, b);
+        assert_eq!(t.get(a).unwrap().size, 2);
+        assert_eq!(t.get(a).unwrap().key, "a");
+        let d = t.upsert(ROOT_INO, "d", Kind::Dir, 0, SystemTime::now(), None);
+        let f = t.upsert(d, "f", Kind::File, 0, SystemTime::now(), None);
+        assert_eq!(t.get(f).unwrap().key, "d/f");
+    }
+
+    #[test]
+    fn idle_listing_entries_are_evicted_but_looked_up_ones_stay() {
+        let mut t = InodeTable::new("p/".into(), SystemTime::now(), 100);
+        let kept = t.upsert(ROOT_INO, "kept", Kind::File, 0, SystemTime::now(), None);
+        t.add_lookup(kept);
+        for n in 0..150 {
+            t.upsert(
+                ROOT_INO,
+                &format!("f{n}"),
+                Kind::File,
+                0,
+                SystemTime::now(),
+                None,
+            );
+        }
+        assert!(t.len() <= 101, "table holds {}", t.len());
+        assert!(t.get(kept).is_some());
+        t.forget(kept, 1);
+        assert!(t.get(kept).is_none());
+    }
+
+    #[test]
+    fn rebind_moves_name_and_key() {
+        let mut t = InodeTable::new(String::new(), SystemTime::now(), 1000);
+        let d = t.upsert(ROOT_INO, "d", Kind::Dir, 0, SystemTime::now(), None);
+        let a = t.upsert(ROOT_INO, "a", Kind::File, 3, SystemTime::now(), None);
+        t.add_lookup(a);
+        t.rebind(a, d, "b");
+        assert!(t.child(ROOT_INO, "a").is_none());
+        assert_eq!(t.child(d, "b").unwrap().key, "d/b");
+    }
+}

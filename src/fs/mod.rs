@@ -1,0 +1,1002 @@
+//! The S3 file system, independent of FUSE.
+//!
+//! [`S3Fs`] answers file-system operations with S3 requests. `fuse.rs` is a thin adapter
+//! from fuser's callbacks to these async methods; everything here can be unit-tested with
+//! the in-memory client.
+//!
+//! Design notes:
+//! - Directories are key prefixes. A directory exists when some key starts with
+//!   `dir/` (implicit) or a `dir/` marker object exists (mkdir writes one, so empty
+//!   directories persist). When both a file `a` and keys under `a/` exist, the
+//!   directory wins and the file is hidden.
+//! - Metadata learnt from HEAD or LIST is trusted for `metadata_ttl`; after that the
+//!   next lookup or getattr asks S3 again, which is how changes by others show up.
+//! - Files are written as whole new objects: create or O_TRUNC, sequential writes,
+//!   durable at close/fsync (see `upload.rs`). Everything else that would need a
+//!   read-modify-write of an object is refused with a clear errno.
+
+pub mod error;
+pub mod fuse;
+pub mod inode;
+pub mod prefetch;
+pub mod session;
+pub mod upload;
+
+use crate::s3::{ListRequest, ObjectClient, S3Error};
+use bytes::Bytes;
+pub use error::{FsError, FsResult};
+use inode::{Inode, InodeTable, Kind};
+use prefetch::{PrefetchConfig, Prefetcher, BUDGET_UNIT};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+use tokio::sync::Semaphore;
+use upload::Upload;
+
+/// S3 refuses keys longer than this.
+const MAX_KEY_LEN: usize = 1024;
+const LIST_PAGE: i32 = 1000;
+/// Inode table size above which entries nobody holds are dropped.
+const INODE_CAP: usize = 50_000;
+
+#[derive(Debug, Clone)]
+pub struct FsConfig {
+    pub prefix: String,
+    pub uid: u32,
+    pub gid: u32,
+    pub file_mode: u16,
+    pub dir_mode: u16,
+    pub metadata_ttl: Duration,
+    pub read_only: bool,
+    pub part_size: u64,
+    pub max_concurrency: usize,
+    pub max_prefetch_memory: u64,
+    pub prefetch: PrefetchConfig,
+}
+
+impl Default for FsConfig {
+    fn default() -> Self {
+        Self {
+            prefix: String::new(),
+            uid: 0,
+            gid: 0,
+            file_mode: 0o644,
+            dir_mode: 0o755,
+            metadata_ttl: Duration::from_secs(1),
+            read_only: false,
+            part_size: 8 * 1024 * 1024,
+            max_concurrency: 16,
+            max_prefetch_memory: 512 * 1024 * 1024,
+            prefetch: PrefetchConfig::default(),
+        }
+    }
+}
+
+/// What `stat` shows for an inode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Attr {
+    pub ino: u64,
+    pub kind: Kind,
+    pub size: u64,
+    pub mtime: SystemTime,
+    pub perm: u16,
+    pub uid: u32,
+    pub gid: u32,
+    /// How long the kernel may cache this.
+    pub ttl: Duration,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirEntry {
+    pub ino: u64,
+    /// Opaque cookie the kernel hands back to continue after this entry.
+    pub offset: u64,
+    pub kind: Kind,
+    pub name: String,
+}
+
+/// How a file was opened, reduced to what matters here.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OpenMode {
+    pub write: bool,
+    pub truncate: bool,
+    pub append: bool,
+}
+
+enum FileState {
+    Read(Prefetcher),
+    Write(Upload),
+    /// The upload completed (close/fsync); writing more would need an append.
+    Committed,
+}
+
+struct OpenFile {
+    /// Process (thread group) that opened the file: only its close commits the upload.
+    opener: Option<u32>,
+    ino: u64,
+    key: String,
+    writable: bool,
+    append: bool,
+    state: FileState,
+}
+
+struct DirStream {
+    ino: u64,
+    key: String,
+    parent: u64,
+    buffered: VecDeque<DirEntry>,
+    next_offset: u64,
+    token: Option<String>,
+    started: bool,
+    listed_all: bool,
+    local_names: HashSet<String>,
+}
+
+enum Handle {
+    File(Arc<tokio::sync::Mutex<OpenFile>>),
+    Dir(Arc<tokio::sync::Mutex<DirStream>>),
+}
+
+pub struct S3Fs {
+    client: Arc<dyn ObjectClient>,
+    cfg: FsConfig,
+    inodes: Mutex<InodeTable>,
+    handles: Mutex<HashMap<u64, Handle>>,
+    next_fh: AtomicU64,
+    prefetch_budget: Arc<Semaphore>,
+    mount_time: SystemTime,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // A panic while holding the lock must not take the whole mount down with it.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn check_name(name: &str) -> FsResult<()> {
+    if name.is_empty() || name == "." || name == ".." || name.contains('/') || name.contains('\0') {
+        return Err(FsError::InvalidName);
+    }
+    if name.len() > 255 {
+        return Err(FsError::NameTooLong);
+    }
+    Ok(())
+}
+
+/// A listing name is shown only if it is a valid single path component.
+fn visible_name(name: &str) -> bool {
+    check_name(name).is_ok()
+}
+
+impl S3Fs {
+    pub fn new(client: Arc<dyn ObjectClient>, cfg: FsConfig) -> Self {
+        let mount_time = SystemTime::now();
+        let units = (cfg.max_prefetch_memory / BUDGET_UNIT).min(u32::MAX as u64 / 2) as usize;
+        Self {
+            inodes: Mutex::new(InodeTable::new(cfg.prefix.clone(), mount_time, INODE_CAP)),
+            client,
+            cfg,
+            handles: Mutex::new(HashMap::new()),
+            next_fh: AtomicU64::new(1),
+            prefetch_budget: Arc::new(Semaphore::new(units)),
+            mount_time,
+        }
+    }
+
+    pub fn config(&self) -> &FsConfig {
+        &self.cfg
+    }
+
+    fn attr_of(&self, i: &Inode) -> Attr {
+        let writing = i.writer.is_some();
+        Attr {
+            ino: i.ino,
+            kind: i.kind,
+            size: i.size,
+            mtime: if i.kind == Kind::Dir {
+                self.mount_time
+            } else {
+                i.mtime
+            },
+            perm: match i.kind {
+                Kind::File => self.cfg.file_mode,
+                Kind::Dir => self.cfg.dir_mode,
+            },
+            uid: self.cfg.uid,
+            gid: self.cfg.gid,
+            // A file being written changes size with every write: never let the kernel cache it.
+            ttl: if writing {
+                Duration::ZERO
+            } else {
+                self.cfg.metadata_ttl
+            },
+        }
+    }
+
+    fn fresh(&self, i: &Inode) -> bool {
+        i.writer.is_some()
+            || i.local_only
+            || i.validated
+                .is_some_and(|t| t.elapsed() < self.cfg.metadata_ttl)
+    }
+
+    fn inode(&self, ino: u64) -> FsResult<Inode> {
+        lock(&self.inodes)
+            .get(ino)
+            .cloned()
+            .ok_or(FsError::NotFound)
+    }
+
+    fn dir_inode(&self, ino: u64) -> FsResult<Inode> {
+        let i = self.inode(ino)?;
+        if i.kind != Kind::Dir {
+            return Err(FsError::NotDir);
+        }
+        Ok(i)
+    }
+
+    fn writable(&self) -> FsResult<()> {
+        if self.cfg.read_only {
+            Err(FsError::ReadOnly)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Asks S3 what `name` under `parent_key` is: HEAD of the file key and a one-key LIST
+    /// of the directory prefix, concurrently, so a lookup costs one round trip.
+    async fn probe(
+        &self,
+        parent_key: &str,
+        name: &str,
+    ) -> FsResult<Option<(Kind, crate::s3::ObjectMeta)>> {
+        let file_key = format!("{parent_key}{name}");
+        if file_key.len() + 1 > MAX_KEY_LEN {
+            return Err(FsError::NameTooLong);
+        }
+        let dir_prefix = format!("{file_key}/");
+        let (head, list) = tokio::join!(
+            self.client.head_object(&file_key),
+            self.client.list(ListRequest {
+                prefix: &dir_prefix,
+                delimiter: Some("/"),
+                continuation: None,
+                max_keys: 1,
+            })
+        );
+        let list = list?;
+        if !list.objects.is_empty() || !list.prefixes.is_empty() {
+            let meta = crate::s3::ObjectMeta {
+                size: 0,
+                mtime: self.mount_time,
+                etag: None,
+            };
+            return Ok(Some((Kind::Dir, meta)));
+        }
+        match head {
+            Ok(meta) => Ok(Some((Kind::File, meta))),
+            Err(S3Error::NotFound) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    pub async fn lookup(&self, parent: u64, name: &str) -> FsResult<Attr> {
+        check_name(name)?;
+        let parent_inode = self.dir_inode(parent)?;
+        {
+            let mut t = lock(&self.inodes);
+            if let Some(child) = t.child(parent, name) {
+                if self.fresh(child) {
+                    let attr = self.attr_of(child);
+                    t.add_lookup(attr.ino);
+                    return Ok(attr);
+                }
+            }
+        }
+        match self.probe(&parent_inode.key, name).await? {
+            Some((kind, meta)) => {
+                let mut t = lock(&self.inodes);
+                // A writer that appeared meanwhile wins over what S3 said.
+                if let Some(child) = t.child(parent, name) {
+                    if child.writer.is_some() || child.local_only {
+                        let attr = self.attr_of(child);
+                        t.add_lookup(attr.ino);
+                        return Ok(attr);
+                    }
+                }
+                let ino = t.upsert(parent, name, kind, meta.size, meta.mtime, meta.etag);
+                t.add_lookup(ino);
+                let i = t.get(ino).ok_or(FsError::NotFound)?;
+                Ok(self.attr_of(i))
+            }
+            None => {
+                let mut t = lock(&self.inodes);
+                if let Some(child) = t.child(parent, name) {
+                    if child.writer.is_some() || child.local_only {
+                        let attr = self.attr_of(child);
+                        t.add_lookup(attr.ino);
+                        return Ok(attr);
+                    }
+                }
+                t.unbind(parent, name);
+                Err(FsError::NotFound)
+            }
+        }
+    }
+
+    pub fn forget(&self, ino: u64, n: u64) {
+        lock(&self.inodes).forget(ino, n);
+    }
+
+    pub async fn getattr(&self, ino: u64) -> FsResult<Attr> {
+        let i = self.inode(ino)?;
+        if i.kind == Kind::Dir || self.fresh(&i) {
+            return Ok(self.attr_of(&i));
+        }
+        match self.client.head_object(&i.key).await {
+            Ok(meta) => {
+                let mut t = lock(&self.inodes);
+                let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
+                if i.writer.is_none() {
+                    i.size = meta.size;
+                    i.mtime = meta.mtime;
+                    i.etag = meta.etag;
+                }
+                i.validated = Some(Instant::now());
+                Ok(self.attr_of(i))
+            }
+            Err(S3Error::NotFound) => Err(FsError::NotFound),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// chmod/chown/utimes are accepted and ignored (S3 keeps no such metadata here);
+    /// truncation to 0 or to the current size works, other sizes are refused.
+    pub async fn setattr(&self, ino: u64, size: Option<u64>, fh: Option<u64>) -> FsResult<Attr> {
+        let Some(size) = size else {
+            return self.getattr(ino).await;
+        };
+        self.writable()?;
+        let i = self.inode(ino)?;
+        if i.kind == Kind::Dir {
+            return Err(FsError::IsDir);
+        }
+        if let Some(writer_fh) = i.writer {
+            let file = self.file_handle(fh.unwrap_or(writer_fh))?;
+            let mut f = file.lock().await;
+            if let FileState::Write(up) = &mut f.state {
+                if size == up.written() {
+                    return Ok(self.attr_of(&self.inode(ino)?));
+                }
+                if size == 0 {
+                    up.truncate()?;
+                    let mut t = lock(&self.inodes);
+                    let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
+                    i.size = 0;
+                    return Ok(self.attr_of(i));
+                }
+            }
+            tracing::warn!(key = %i.key, size, "refusing truncate of a file being written to a non-zero size");
+            return Err(FsError::Unsupported("truncate to a size other than 0"));
+        }
+        let current = self.getattr(ino).await?;
+        if current.size == size {
+            return Ok(current);
+        }
+        if size != 0 {
+            tracing::warn!(key = %i.key, size, "refusing truncate to a non-zero size");
+            return Err(FsError::Unsupported("truncate to a size other than 0"));
+        }
+        let meta = self.client.put_object(&i.key, Bytes::new()).await?;
+        let mut t = lock(&self.inodes);
+        let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
+        i.size = 0;
+        i.mtime = SystemTime::now();
+        i.etag = meta.etag;
+        i.validated = Some(Instant::now());
+        Ok(self.attr_of(i))
+    }
+
+    fn new_fh(&self, handle: Handle) -> u64 {
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        lock(&self.handles).insert(fh, handle);
+        fh
+    }
+
+    fn file_handle(&self, fh: u64) -> FsResult<Arc<tokio::sync::Mutex<OpenFile>>> {
+        match lock(&self.handles).get(&fh) {
+            Some(Handle::File(f)) => Ok(f.clone()),
+            _ => Err(FsError::BadHandle),
+        }
+    }
+
+    fn new_upload(&self, key: String) -> Upload {
+        Upload::new(
+            self.client.clone(),
+            key,
+            self.cfg.part_size,
+            (self.cfg.max_concurrency / 2).max(2),
+        )
+    }
+
+    /// Registers a writer on `ino`, failing if another handle already writes it.
+    fn start_writing(&self, ino: u64, fh: u64) -> FsResult<()> {
+        let mut t = lock(&self.inodes);
+        let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
+        if i.writer.is_some_and(|w| w != fh) {
+            return Err(FsError::Busy("the file is already open for writing"));
+        }
+        i.writer = Some(fh);
+        i.size = 0;
+        Ok(())
+    }
+
+    pub async fn create(
+        &self,
+        parent: u64,
+        name: &str,
+        mode: OpenMode,
+        opener: Option<u32>,
+    ) -> FsResult<(Attr, u64)> {
+        self.writable()?;
+        check_name(name)?;
+        let p = self.dir_inode(parent)?;
+        let key = format!("{}{}", p.key, name);
+        if key.len() > MAX_KEY_LEN {
+            return Err(FsError::NameTooLong);
+        }
+        let ino = {
+            let mut t = lock(&self.inodes);
+            if let Some(existing) = t.child(parent, name) {
+                if existing.kind == Kind::Dir {
+                    return Err(FsError::IsDir);
+                }
+                if existing.writer.is_some() {
+                    return Err(FsError::Busy("the file is already open for writing"));
+                }
+            }
+            t.create_local(parent, name, Kind::File)
+                .ok_or(FsError::NotFound)?
+        };
+        let fh = self.new_fh(Handle::File(Arc::new(tokio::sync::Mutex::new(OpenFile {
+            opener,
+            ino,
+            key: key.clone(),
+            writable: true,
+            append: mode.append,
+            state: FileState::Write(self.new_upload(key)),
+        }))));
+        let mut t = lock(&self.inodes);
+        let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
+        i.writer = Some(fh);
+        i.open_handles += 1;
+        i.lookups += 1;
+        Ok((self.attr_of(i), fh))
+    }
+
+    pub async fn open(&self, ino: u64, mode: OpenMode, opener: Option<u32>) -> FsResult<u64> {
+        let i = self.inode(ino)?;
+        if i.kind == Kind::Dir {
+            return Err(FsError::IsDir);
+        }
+        if mode.write {
+            self.writable()?;
+        }
+        if i.writer.is_some() {
+            return Err(FsError::Busy(
+                "the file is being written; open it after close",
+            ));
+        }
+        let state = if mode.write && mode.truncate {
+            FileState::Write(self.new_upload(i.key.clone()))
+        } else {
+            let size = if self.fresh(&i) {
+                i.size
+            } else {
+                self.getattr(ino).await?.size
+            };
+            FileState::Read(Prefetcher::new(
+                self.client.clone(),
+                i.key.clone(),
+                size,
+                self.cfg.prefetch,
+                self.prefetch_budget.clone(),
+            ))
+        };
+        let writing = matches!(state, FileState::Write(_));
+        let fh = self.new_fh(Handle::File(Arc::new(tokio::sync::Mutex::new(OpenFile {
+            opener,
+            ino,
+            key: i.key.clone(),
+            writable: mode.write,
+            append: mode.append,
+            state,
+        }))));
+        if writing {
+            if let Err(e) = self.start_writing(ino, fh) {
+                lock(&self.handles).remove(&fh);
+                return Err(e);
+            }
+        }
+        if let Some(i) = lock(&self.inodes).get_mut(ino) {
+            i.open_handles += 1;
+        }
+        Ok(fh)
+    }
+
+    pub async fn read(&self, fh: u64, offset: u64, size: u32) -> FsResult<Bytes> {
+        let file = self.file_handle(fh)?;
+        let mut f = file.lock().await;
+        match &mut f.state {
+            FileState::Read(p) => p.read(offset, size).await,
+            _ => {
+                tracing::warn!(key = %f.key, "read from a handle that is writing a new object");
+                Err(FsError::Unsupported("reading a file while writing it"))
+            }
+        }
+    }
+
+    pub async fn write(&self, fh: u64, offset: u64, data: &[u8]) -> FsResult<usize> {
+        self.writable()?;
+        let file = self.file_handle(fh)?;
+        let mut f = file.lock().await;
+        if !f.writable {
+            return Err(FsError::BadHandle);
+        }
+        if let FileState::Read(_) = &f.state {
+            // Opened for writing without O_TRUNC: only an empty object may be (re)written,
+            // from its start. Anything else would need a read-modify-write of the object.
+            let ino = f.ino;
+            let size = self.inode(ino)?.size;
+            if size != 0 || offset != 0 {
+                tracing::warn!(key = %f.key, offset, size, append = f.append,
+                    "refusing write into an existing object (modify/append not supported)");
+                return Err(FsError::Unsupported("writing into an existing object"));
+            }
+            self.start_writing(ino, fh)?;
+            f.state = FileState::Write(self.new_upload(f.key.clone()));
+        }
+        let ino = f.ino;
+        match &mut f.state {
+            FileState::Write(up) => {
+                let n = up.write(offset, data).await.inspect_err(|e| {
+                    tracing::warn!(key = %up.key(), offset, error = %e, "write refused");
+                })?;
+                let written = up.written();
+                if let Some(i) = lock(&self.inodes).get_mut(ino) {
+                    i.size = written;
+                    i.mtime = SystemTime::now();
+                }
+                Ok(n)
+            }
+            FileState::Committed => {
+                tracing::warn!(key = %f.key, "write after the upload was completed by close/fsync");
+                Err(FsError::Unsupported(
+                    "writing after fsync/close completed the upload",
+                ))
+            }
+            FileState::Read(_) => unreachable!("replaced by a writer above"),
+        }
+    }
+
+    /// close(): completes the upload of a handle that is writing. Errors mean the data is
+    /// NOT in S3 and must reach the application.
+    ///
+    /// Two kinds of flush are not a commit, because more writes follow them:
+    /// - before anything was written: shells open a file and then `dup2` it onto stdout,
+    ///   closing (and so flushing) the original descriptor before writing. An empty new
+    ///   file is therefore uploaded at release, without making `touch` wait for the round
+    ///   trip; fsync still commits it synchronously.
+    /// - from another process than the opener: a child that inherited the descriptor
+    ///   (fork + exec closes it) must not end the parent's upload. Release commits then.
+    pub async fn flush(&self, fh: u64, caller: Option<u32>) -> FsResult<()> {
+        let file = self.file_handle(fh)?;
+        let mut f = file.lock().await;
+        if let FileState::Write(up) = &f.state {
+            if up.written() == 0 {
+                return Ok(());
+            }
+            if f.opener.is_some() && caller.is_some() && f.opener != caller {
+                tracing::debug!(key = %f.key, ?caller, opener = ?f.opener, "flush from another process; not committing");
+                return Ok(());
+            }
+        }
+        self.commit(&mut f, fh).await
+    }
+
+    async fn commit(&self, f: &mut OpenFile, fh: u64) -> FsResult<()> {
+        let FileState::Write(up) = &mut f.state else {
+            return Ok(());
+        };
+        let result = up.finish().await;
+        let ino = f.ino;
+        f.state = FileState::Committed;
+        let mut t = lock(&self.inodes);
+        let unlinked = t.get(ino).is_none_or(|i| i.writer != Some(fh));
+        if let Some(i) = t.get_mut(ino) {
+            if i.writer == Some(fh) {
+                i.writer = None;
+            }
+            match &result {
+                Ok(meta) => {
+                    i.size = meta.size;
+                    i.mtime = SystemTime::now();
+                    i.etag = meta.etag.clone();
+                    i.validated = Some(Instant::now());
+                    i.local_only = false;
+                }
+                Err(_) => {
+                    // What S3 holds now is unknown to us: ask again next time.
+                    i.validated = None;
+                    if i.local_only {
+                        i.local_only = false;
+                        let (parent, name) = (i.parent, i.name.clone());
+                        t.unbind(parent, &name);
+                    }
+                }
+            }
+        }
+        drop(t);
+        if let Err(e) = &result {
+            tracing::error!(key = %f.key, error = %e, "upload failed; the application gets EIO");
+        } else if unlinked {
+            tracing::debug!(key = %f.key, "file was unlinked or replaced while being written");
+        }
+        result.map(|_| ())
+    }
+
+    pub async fn fsync(&self, fh: u64) -> FsResult<()> {
+        match lock(&self.handles).get(&fh) {
+            Some(Handle::Dir(_)) => return Ok(()),
+            None => return Err(FsError::BadHandle),
+            _ => {}
+        }
+        let file = self.file_handle(fh)?;
+        let mut f = file.lock().await;
+        self.commit(&mut f, fh).await
+    }
+
+    pub async fn release(&self, fh: u64) -> FsResult<()> {
+        let handle = lock(&self.handles).remove(&fh);
+        let Some(Handle::File(file)) = handle else {
+            return Ok(());
+        };
+        let mut f = file.lock().await;
+        // Normally flush already committed; this covers handles closed without one.
+        let result = self.commit(&mut f, fh).await;
+        let mut t = lock(&self.inodes);
+        if let Some(i) = t.get_mut(f.ino) {
+            i.open_handles = i.open_handles.saturating_sub(1);
+        }
+        t.forget(f.ino, 0);
+        result
+    }
+
+    /// Completes every open upload; used on unmount and on SIGTERM.
+    pub async fn flush_all(&self) -> usize {
+        let files: Vec<(u64, Arc<tokio::sync::Mutex<OpenFile>>)> = lock(&self.handles)
+            .iter()
+            .filter_map(|(fh, h)| match h {
+                Handle::File(f) => Some((*fh, f.clone())),
+                _ => None,
+            })
+            .collect();
+        let mut failed = 0;
+        for (fh, file) in files {
+            let mut f = file.lock().await;
+            if self.commit(&mut f, fh).await.is_err() {
+                failed += 1;
+            }
+        }
+        failed
+    }
+
+    pub async fn mkdir(&self, parent: u64, name: &str) -> FsResult<Attr> {
+        self.writable()?;
+        check_name(name)?;
+        let p = self.dir_inode(parent)?;
+        if let Some(existing) = lock(&self.inodes).child(parent, name) {
+            if self.fresh(existing) {
+                return Err(FsError::Exists);
+            }
+        }
+        if self.probe(&p.key, name).await?.is_some() {
+            return Err(FsError::Exists);
+        }
+        let key = format!("{}{}/", p.key, name);
+        if key.len() > MAX_KEY_LEN {
+            return Err(FsError::NameTooLong);
+        }
+        self.client.put_object(&key, Bytes::new()).await?;
+        let mut t = lock(&self.inodes);
+        let ino = t.upsert(parent, name, Kind::Dir, 0, SystemTime::now(), None);
+        t.add_lookup(ino);
+        let i = t.get(ino).ok_or(FsError::NotFound)?;
+        Ok(self.attr_of(i))
+    }
+
+    pub async fn rmdir(&self, parent: u64, name: &str) -> FsResult<()> {
+        self.writable()?;
+        check_name(name)?;
+        let p = self.dir_inode(parent)?;
+        let key = format!("{}{}/", p.key, name);
+        if let Some(child) = lock(&self.inodes).child(parent, name) {
+            if child.kind != Kind::Dir {
+                return Err(FsError::NotDir);
+            }
+        }
+        let page = self
+            .client
+            .list(ListRequest {
+                prefix: &key,
+                delimiter: None,
+                continuation: None,
+                max_keys: 2,
+            })
+            .await?;
+        if page.objects.is_empty() && page.prefixes.is_empty() {
+            if self.probe(&p.key, name).await?.is_some() {
+                return Err(FsError::NotDir);
+            }
+            return Err(FsError::NotFound);
+        }
+        if page.objects.iter().any(|o| o.key != key) {
+            return Err(FsError::NotEmpty);
+        }
+        {
+            let t = lock(&self.inodes);
+            if let Some(dir) = t.child(parent, name) {
+                let dino = dir.ino;
+                if t.children_of(dino)
+                    .any(|c| c.local_only || c.writer.is_some())
+                {
+                    return Err(FsError::NotEmpty);
+                }
+            }
+        }
+        self.client.delete_object(&key).await?;
+        lock(&self.inodes).unbind(parent, name);
+        Ok(())
+    }
+
+    pub async fn unlink(&self, parent: u64, name: &str) -> FsResult<()> {
+        self.writable()?;
+        check_name(name)?;
+        let p = self.dir_inode(parent)?;
+        let known = lock(&self.inodes).child(parent, name).cloned();
+        let child = match known {
+            Some(c) => c,
+            None => {
+                self.lookup(parent, name).await?;
+                let c = lock(&self.inodes).child(parent, name).cloned();
+                self.forget(c.as_ref().map(|c| c.ino).unwrap_or(0), 1);
+                c.ok_or(FsError::NotFound)?
+            }
+        };
+        if child.kind == Kind::Dir {
+            return Err(FsError::IsDir);
+        }
+        if let Some(writer) = child.writer {
+            // Abandon the upload so closing the file does not bring it back.
+            if let Ok(file) = self.file_handle(writer) {
+                let mut f = file.lock().await;
+                if let FileState::Write(up) = &mut f.state {
+                    up.abort().await;
+                }
+                f.state = FileState::Committed;
+            }
+            if let Some(i) = lock(&self.inodes).get_mut(child.ino) {
+                i.writer = None;
+                i.local_only = false;
+            }
+        }
+        if !child.local_only {
+            self.client
+                .delete_object(&format!("{}{}", p.key, name))
+                .await?;
+        }
+        lock(&self.inodes).unbind(parent, name);
+        Ok(())
+    }
+
+    pub async fn rename(
+        &self,
+        parent: u64,
+        name: &str,
+        new_parent: u64,
+        new_name: &str,
+        no_replace: bool,
+    ) -> FsResult<()> {
+        self.writable()?;
+        check_name(name)?;
+        check_name(new_name)?;
+        let src_dir = self.dir_inode(parent)?;
+        let dst_dir = self.dir_inode(new_parent)?;
+        self.lookup(parent, name).await?;
+        let src = lock(&self.inodes).child(parent, name).cloned();
+        let Some(src) = src else {
+            return Err(FsError::NotFound);
+        };
+        self.forget(src.ino, 1);
+        if src.kind == Kind::Dir {
+            tracing::info!(key = %src.key, "directory rename refused with EXDEV; mv copies instead");
+            return Err(FsError::CrossDevice);
+        }
+        if src.writer.is_some() {
+            return Err(FsError::Busy(
+                "rename of a file that is still being written",
+            ));
+        }
+        let dst_key = format!("{}{}", dst_dir.key, new_name);
+        if dst_key.len() > MAX_KEY_LEN {
+            return Err(FsError::NameTooLong);
+        }
+        match self.lookup(new_parent, new_name).await {
+            Ok(a) => {
+                self.forget(a.ino, 1);
+                if no_replace {
+                    return Err(FsError::Exists);
+                }
+                if a.kind == Kind::Dir {
+                    return Err(FsError::IsDir);
+                }
+                let busy = lock(&self.inodes)
+                    .get(a.ino)
+                    .is_some_and(|i| i.writer.is_some());
+                if busy {
+                    return Err(FsError::Busy("rename onto a file that is being written"));
+                }
+            }
+            Err(FsError::NotFound) => {}
+            Err(e) => return Err(e),
+        }
+        let src_key = format!("{}{}", src_dir.key, name);
+        if src_key != dst_key {
+            self.client
+                .copy_object(&src_key, &dst_key, src.size)
+                .await?;
+            self.client.delete_object(&src_key).await?;
+        }
+        let mut t = lock(&self.inodes);
+        t.rebind(src.ino, new_parent, new_name);
+        if let Some(i) = t.get_mut(src.ino) {
+            i.validated = Some(Instant::now());
+        }
+        Ok(())
+    }
+
+    pub async fn opendir(&self, ino: u64) -> FsResult<u64> {
+        let d = self.dir_inode(ino)?;
+        Ok(
+            self.new_fh(Handle::Dir(Arc::new(tokio::sync::Mutex::new(DirStream {
+                ino,
+                key: d.key,
+                parent: d.parent,
+                buffered: VecDeque::new(),
+                next_offset: 1,
+                token: None,
+                started: false,
+                listed_all: false,
+                local_names: HashSet::new(),
+            })))),
+        )
+    }
+
+    pub fn releasedir(&self, fh: u64) {
+        lock(&self.handles).remove(&fh);
+    }
+
+    /// Entries after `offset`. Entries stay buffered until the kernel asks for an offset
+    /// past them, so a reply buffer that fills up loses nothing. Memory is bounded by one
+    /// LIST page per open directory.
+    pub async fn readdir(&self, fh: u64, offset: u64) -> FsResult<Vec<DirEntry>> {
+        let stream = match lock(&self.handles).get(&fh) {
+            Some(Handle::Dir(d)) => d.clone(),
+            _ => return Err(FsError::BadHandle),
+        };
+        let mut d = stream.lock().await;
+        let behind = d.buffered.front().is_some_and(|e| offset + 1 < e.offset)
+            || (d.buffered.is_empty() && offset + 1 < d.next_offset);
+        if (offset == 0 && d.started) || behind {
+            // rewinddir or a seek backwards: start the listing over.
+            d.buffered.clear();
+            d.next_offset = 1;
+            d.token = None;
+            d.started = false;
+            d.listed_all = false;
+            d.local_names.clear();
+        }
+        loop {
+            while d.buffered.front().is_some_and(|e| e.offset <= offset) {
+                d.buffered.pop_front();
+            }
+            if !d.buffered.is_empty() || d.listed_all {
+                break;
+            }
+            self.fill(&mut d).await?;
+        }
+        Ok(d.buffered.iter().cloned().collect())
+    }
+
+    async fn fill(&self, d: &mut DirStream) -> FsResult<()> {
+        let push = |d: &mut DirStream, ino: u64, kind: Kind, name: String| {
+            let offset = d.next_offset;
+            d.next_offset += 1;
+            d.buffered.push_back(DirEntry {
+                ino,
+                offset,
+                kind,
+                name,
+            });
+        };
+        if !d.started {
+            d.started = true;
+            let (ino, parent) = (d.ino, d.parent);
+            push(d, ino, Kind::Dir, ".".into());
+            push(d, parent, Kind::Dir, "..".into());
+            // Files created here and not uploaded yet: S3 cannot list them.
+            let locals: Vec<(u64, Kind, String)> = lock(&self.inodes)
+                .children_of(ino)
+                .filter(|c| c.local_only)
+                .map(|c| (c.ino, c.kind, c.name.clone()))
+                .collect();
+            for (ino, kind, name) in locals {
+                d.local_names.insert(name.clone());
+                push(d, ino, kind, name);
+            }
+            return Ok(());
+        }
+        let page = self
+            .client
+            .list(ListRequest {
+                prefix: &d.key,
+                delimiter: Some("/"),
+                continuation: d.token.as_deref(),
+                max_keys: LIST_PAGE,
+            })
+            .await?;
+        let dir_names: HashSet<String> = page
+            .prefixes
+            .iter()
+            .map(|p| p[d.key.len()..].trim_end_matches('/').to_string())
+            .collect();
+        let mut entries: Vec<(Kind, String, u64, SystemTime, Option<String>)> = Vec::new();
+        for name in &dir_names {
+            entries.push((Kind::Dir, name.clone(), 0, self.mount_time, None));
+        }
+        for o in &page.objects {
+            let name = &o.key[d.key.len()..];
+            if dir_names.contains(name) {
+                continue;
+            }
+            entries.push((
+                Kind::File,
+                name.to_string(),
+                o.meta.size,
+                o.meta.mtime,
+                o.meta.etag.clone(),
+            ));
+        }
+        entries.retain(|(_, name, ..)| visible_name(name) && !d.local_names.contains(name));
+        entries.sort_by(|a, b| a.1.cmp(&b.1));
+        {
+            let mut t = lock(&self.inodes);
+            for (kind, name, size, mtime, etag) in entries {
+                let ino = t.upsert(d.ino, &name, kind, size, mtime, etag);
+                if ino != 0 {
+                    push(d, ino, kind, name);
+                }
+            }
+        }
+        d.token = page.next_token;
+        d.listed_all = d.token.is_none();
+        Ok(())
+    }
+
+    pub fn inode_count(&self) -> usize {
+        lock(&self.inodes).len()
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,214 @@
+//! File-system logic against the in-memory client: no kernel, no server.
+
+use super::*;
+use crate::s3::mem::MemClient;
+
+fn fs_with(mem: Arc<MemClient>, prefix: &str) -> S3Fs {
+    S3Fs::new(
+        mem,
+        FsConfig {
+            prefix: prefix.to_string(),
+            part_size: 5,
+            metadata_ttl: Duration::from_secs(60),
+            ..FsConfig::default()
+        },
+    )
+}
+
+const ROOT: u64 = inode::ROOT_INO;
+const W: OpenMode = OpenMode {
+    write: true,
+    truncate: true,
+    append: false,
+};
+const R: OpenMode = OpenMode {
+    write: false,
+    truncate: false,
+    append: false,
+};
+
+async fn names(fs: &S3Fs, ino: u64) -> Vec<String> {
+    let fh = fs.opendir(ino).await.unwrap();
+    let mut out = Vec::new();
+    let mut off = 0;
+    loop {
+        let batch = fs.readdir(fh, off).await.unwrap();
+        if batch.is_empty() {
+            break;
+        }
+        // Take only some entries per call, as a full kernel buffer would.
+        for e in batch.iter().take(3) {
+            out.push(e.name.clone());
+            off = e.offset;
+        }
+    }
+    fs.releasedir(fh);
+    out
+}
+
+#[tokio::test]
+async fn implicit_and_marker_directories_are_listed() {
+    let mem = Arc::new(MemClient::new());
+    mem.insert("p/a/b/c.txt", "c");
+    mem.insert("p/empty/", "");
+    mem.insert("p/top.txt", "top");
+    mem.insert("other/x", "x");
+    let fs = fs_with(mem, "p/");
+    let mut root = names(&fs, ROOT).await;
+    root.sort();
+    assert_eq!(root, [".", "..", "a", "empty", "top.txt"]);
+    let a = fs.lookup(ROOT, "a").await.unwrap();
+    assert_eq!(a.kind, Kind::Dir);
+    let b = fs.lookup(a.ino, "b").await.unwrap();
+    assert_eq!(names(&fs, b.ino).await, [".", "..", "c.txt"]);
+    let e = fs.lookup(ROOT, "empty").await.unwrap();
+    assert_eq!(names(&fs, e.ino).await, [".", ".."]);
+    assert!(matches!(fs.lookup(ROOT, "x").await, Err(FsError::NotFound)));
+}
+
+#[tokio::test]
+async fn large_directory_lists_every_key_across_pages() {
+    let mem = Arc::new(MemClient::new());
+    for i in 0..2500 {
+        mem.insert(&format!("big/f{i:05}"), "");
+    }
+    let fs = fs_with(mem, "");
+    let big = fs.lookup(ROOT, "big").await.unwrap();
+    let listed = names(&fs, big.ino).await;
+    assert_eq!(listed.len(), 2502);
+    let unique: HashSet<_> = listed.iter().collect();
+    assert_eq!(unique.len(), 2502);
+}
+
+#[tokio::test]
+async fn write_read_rename_unlink_round_trip() {
+    let mem = Arc::new(MemClient::new());
+    let fs = fs_with(mem.clone(), "");
+    let (attr, fh) = fs.create(ROOT, "f", W, None).await.unwrap();
+    fs.write(fh, 0, b"hello ").await.unwrap();
+    fs.write(fh, 6, b"world, multipart").await.unwrap();
+    assert!(matches!(
+        fs.write(fh, 3, b"x").await,
+        Err(FsError::Unsupported(_))
+    ));
+    // Visible in listings before it is uploaded.
+    assert!(names(&fs, ROOT).await.contains(&"f".to_string()));
+    fs.flush(fh, None).await.unwrap();
+    fs.release(fh).await.unwrap();
+    assert_eq!(mem.get("f").unwrap().as_ref(), b"hello world, multipart");
+    assert_eq!(mem.open_uploads(), 0);
+
+    let fh = fs.open(attr.ino, R, None).await.unwrap();
+    assert_eq!(fs.read(fh, 6, 5).await.unwrap().as_ref(), b"world");
+    fs.release(fh).await.unwrap();
+
+    let d = fs.mkdir(ROOT, "d").await.unwrap();
+    assert!(mem.get("d/").is_some(), "mkdir writes a marker");
+    fs.rename(ROOT, "f", d.ino, "g", false).await.unwrap();
+    assert!(mem.get("f").is_none());
+    assert_eq!(mem.get("d/g").unwrap().as_ref(), b"hello world, multipart");
+    assert!(matches!(fs.rmdir(ROOT, "d").await, Err(FsError::NotEmpty)));
+    assert!(matches!(
+        fs.rename(ROOT, "d", ROOT, "e", false).await,
+        Err(FsError::CrossDevice)
+    ));
+    fs.unlink(d.ino, "g").await.unwrap();
+    fs.rmdir(ROOT, "d").await.unwrap();
+    assert!(mem.keys().is_empty(), "{:?}", mem.keys());
+}
+
+#[tokio::test]
+async fn existing_objects_refuse_modification_but_allow_overwrite() {
+    let mem = Arc::new(MemClient::new());
+    mem.insert("obj", "old contents");
+    let fs = fs_with(mem.clone(), "");
+    let a = fs.lookup(ROOT, "obj").await.unwrap();
+    let rw = OpenMode {
+        write: true,
+        truncate: false,
+        append: false,
+    };
+    let fh = fs.open(a.ino, rw, None).await.unwrap();
+    assert!(matches!(
+        fs.write(fh, 0, b"x").await,
+        Err(FsError::Unsupported(_))
+    ));
+    assert!(matches!(
+        fs.write(fh, 12, b"x").await,
+        Err(FsError::Unsupported(_))
+    ));
+    fs.release(fh).await.unwrap();
+    assert_eq!(mem.get("obj").unwrap().as_ref(), b"old contents");
+
+    let fh = fs.open(a.ino, W, None).await.unwrap();
+    fs.write(fh, 0, b"new").await.unwrap();
+    fs.flush(fh, None).await.unwrap();
+    fs.release(fh).await.unwrap();
+    assert_eq!(mem.get("obj").unwrap().as_ref(), b"new");
+
+    assert!(matches!(
+        fs.setattr(a.ino, Some(1), None).await,
+        Err(FsError::Unsupported(_))
+    ));
+    fs.setattr(a.ino, Some(0), None).await.unwrap();
+    assert_eq!(mem.get("obj").unwrap().len(), 0);
+}
+
+#[tokio::test]
+async fn unlinking_a_file_being_written_discards_it() {
+    let mem = Arc::new(MemClient::new());
+    let fs = fs_with(mem.clone(), "");
+    let (_, fh) = fs.create(ROOT, "tmp", W, None).await.unwrap();
+    fs.write(fh, 0, b"0123456789abc").await.unwrap();
+    fs.unlink(ROOT, "tmp").await.unwrap();
+    fs.release(fh).await.unwrap();
+    assert!(mem.get("tmp").is_none());
+    assert_eq!(mem.open_uploads(), 0);
+}
+
+#[tokio::test]
+async fn read_only_refuses_changes() {
+    let mem = Arc::new(MemClient::new());
+    mem.insert("a", "a");
+    let fs = S3Fs::new(
+        mem,
+        FsConfig {
+            read_only: true,
+            ..FsConfig::default()
+        },
+    );
+    assert!(matches!(
+        fs.create(ROOT, "b", W, None).await,
+        Err(FsError::ReadOnly)
+    ));
+    assert!(matches!(fs.mkdir(ROOT, "d").await, Err(FsError::ReadOnly)));
+    assert!(matches!(fs.unlink(ROOT, "a").await, Err(FsError::ReadOnly)));
+}
+
+#[tokio::test]
+async fn names_s3_cannot_hold_are_refused() {
+    let fs = fs_with(Arc::new(MemClient::new()), "");
+    assert!(matches!(
+        fs.create(ROOT, &"x".repeat(300), W, None).await,
+        Err(FsError::NameTooLong)
+    ));
+    assert!(matches!(
+        fs.mkdir(ROOT, "..").await,
+        Err(FsError::InvalidName)
+    ));
+}
+
+#[tokio::test]
+async fn only_the_opening_process_commits_on_close() {
+    let mem = Arc::new(MemClient::new());
+    let fs = fs_with(mem.clone(), "");
+    let (_, fh) = fs.create(ROOT, "f", W, Some(100)).await.unwrap();
+    fs.write(fh, 0, b"abc").await.unwrap();
+    // A forked child closing its inherited copy must not end the upload.
+    fs.flush(fh, Some(200)).await.unwrap();
+    assert!(mem.get("f").is_none());
+    fs.write(fh, 3, b"def").await.unwrap();
+    fs.flush(fh, Some(100)).await.unwrap();
+    assert_eq!(mem.get("f").unwrap().as_ref(), b"abcdef");
+    fs.release(fh).await.unwrap();
+}

@@ -1,0 +1,224 @@
+//! Streams a file written sequentially into S3.
+//!
+//! Small files become one PutObject at close. Once a part's worth of data has been
+//! written, a multipart upload starts and full parts go up in the background, at most
+//! `max_inflight` at a time, so memory stays near `part_size * (max_inflight + 1)`
+//! whatever the file size. Part sizes double every 1000 parts so that the 10 000-part
+//! limit is never reached before S3's 5 TiB object limit. Nothing is acknowledged as
+//! durable until [`Upload::finish`] has completed the upload; any failure there, or of
+//! an earlier part, is returned so close/fsync can report EIO.
+
+use super::error::{FsError, FsResult};
+use crate::s3::{CompletedPart, ObjectClient, ObjectMeta, S3Error};
+use bytes::{Bytes, BytesMut};
+use std::collections::VecDeque;
+use std::sync::Arc;
+use tokio::task::JoinHandle;
+
+const MAX_PART: u64 = 5 * 1024 * 1024 * 1024;
+
+pub struct Upload {
+    client: Arc<dyn ObjectClient>,
+    key: String,
+    base_part_size: u64,
+    max_inflight: usize,
+    written: u64,
+    buf: BytesMut,
+    upload_id: Option<String>,
+    next_part: i32,
+    inflight: VecDeque<JoinHandle<Result<CompletedPart, S3Error>>>,
+    parts: Vec<CompletedPart>,
+    failed: Option<S3Error>,
+}
+
+impl Upload {
+    pub fn new(
+        client: Arc<dyn ObjectClient>,
+        key: String,
+        part_size: u64,
+        max_inflight: usize,
+    ) -> Self {
+        Self {
+            client,
+            key,
+            base_part_size: part_size,
+            max_inflight: max_inflight.max(1),
+            written: 0,
+            buf: BytesMut::new(),
+            upload_id: None,
+            next_part: 1,
+            inflight: VecDeque::new(),
+            parts: Vec::new(),
+            failed: None,
+        }
+    }
+
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    pub fn written(&self) -> u64 {
+        self.written
+    }
+
+    /// Size of part `n` (1-based).
+    pub fn part_size(base: u64, n: i32) -> u64 {
+        let doublings = ((n.max(1) - 1) / 1000) as u32;
+        base.saturating_mul(1u64 << doublings.min(20)).min(MAX_PART)
+    }
+
+    /// True while nothing has left the process, so the upload can still start over.
+    pub fn can_truncate(&self) -> bool {
+        self.upload_id.is_none()
+    }
+
+    pub fn truncate(&mut self) -> FsResult<()> {
+        if !self.can_truncate() {
+            return Err(FsError::Unsupported("truncate after parts were uploaded"));
+        }
+        self.buf.clear();
+        self.written = 0;
+        Ok(())
+    }
+
+    pub async fn write(&mut self, offset: u64, data: &[u8]) -> FsResult<usize> {
+        if let Some(e) = &self.failed {
+            return Err(FsError::UploadFailed(e.clone()));
+        }
+        if offset != self.written {
+            return Err(FsError::Unsupported("non-sequential write"));
+        }
+        self.buf.extend_from_slice(data);
+        self.written += data.len() as u64;
+        loop {
+            let size = Self::part_size(self.base_part_size, self.next_part) as usize;
+            if self.buf.len() < size {
+                break;
+            }
+            let part = self.buf.split_to(size).freeze();
+            if let Err(e) = self.send_part(part).await {
+                self.failed = Some(e.clone());
+                return Err(FsError::UploadFailed(e));
+            }
+        }
+        Ok(data.len())
+    }
+
+    async fn send_part(&mut self, body: Bytes) -> Result<(), S3Error> {
+        if self.upload_id.is_none() {
+            self.upload_id = Some(self.client.create_multipart(&self.key).await?);
+        }
+        while self.inflight.len() >= self.max_inflight {
+            self.reap_one().await?;
+        }
+        let client = self.client.clone();
+        let key = self.key.clone();
+        let id = self.upload_id.clone().unwrap_or_default();
+        let n = self.next_part;
+        self.next_part += 1;
+        self.inflight.push_back(tokio::spawn(async move {
+            client.upload_part(&key, &id, n, body).await
+        }));
+        Ok(())
+    }
+
+    async fn reap_one(&mut self) -> Result<(), S3Error> {
+        if let Some(handle) = self.inflight.pop_front() {
+            let part = handle
+                .await
+                .map_err(|e| S3Error::Other(format!("part upload task failed: {e}")))??;
+            self.parts.push(part);
+        }
+        Ok(())
+    }
+
+    /// Makes everything written durable in S3. On failure the multipart upload is
+    /// aborted (so it does not linger and bill) and the error is returned.
+    pub async fn finish(&mut self) -> FsResult<ObjectMeta> {
+        let result = self.try_finish().await;
+        if let Err(e) = &result {
+            self.failed = Some(e.clone());
+            self.abort().await;
+        }
+        result.map_err(FsError::UploadFailed)
+    }
+
+    async fn try_finish(&mut self) -> Result<ObjectMeta, S3Error> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let Some(id) = self.upload_id.clone() else {
+            let body = std::mem::take(&mut self.buf).freeze();
+            return self.client.put_object(&self.key, body).await;
+        };
+        if !self.buf.is_empty() {
+            let rest = std::mem::take(&mut self.buf).freeze();
+            self.send_part(rest).await?;
+        }
+        while !self.inflight.is_empty() {
+            self.reap_one().await?;
+        }
+        let parts = std::mem::take(&mut self.parts);
+        let meta = self
+            .client
+            .complete_multipart(&self.key, &id, parts)
+            .await?;
+        self.upload_id = None;
+        Ok(meta)
+    }
+
+    /// Abandons the upload: nothing written becomes visible.
+    pub async fn abort(&mut self) {
+        for h in self.inflight.drain(..) {
+            h.abort();
+        }
+        if let Some(id) = self.upload_id.take() {
+            if let Err(e) = self.client.abort_multipart(&self.key, &id).await {
+                tracing::warn!(key = %self.key, error = %e, "could not abort multipart upload");
+            }
+        }
+        self.buf.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::s3::mem::MemClient;
+
+    #[test]
+    fn part_sizes_cover_five_tib_in_ten_thousand_parts() {
+        let base = 8 * 1024 * 1024;
+        let total: u64 = (1..=10_000).map(|n| Upload::part_size(base, n)).sum();
+        assert!(total >= 5 * 1024u64.pow(4), "{total}");
+        assert_eq!(Upload::part_size(base, 1), base);
+        assert_eq!(Upload::part_size(base, 1001), 2 * base);
+    }
+
+    #[tokio::test]
+    async fn multipart_stream_round_trips() {
+        let mem = Arc::new(MemClient::new());
+        let mut up = Upload::new(mem.clone(), "k".into(), 5, 2);
+        let data: Vec<u8> = (0..23u8).collect();
+        for chunk in data.chunks(3).enumerate() {
+            up.write((chunk.0 * 3) as u64, chunk.1).await.unwrap();
+        }
+        assert!(
+            up.write(0, b"x").await.is_err(),
+            "non-sequential write accepted"
+        );
+        let meta = up.finish().await.unwrap();
+        assert_eq!(meta.size, 23);
+        assert_eq!(mem.get("k").unwrap().as_ref(), &data[..]);
+        assert_eq!(mem.open_uploads(), 0);
+    }
+
+    #[tokio::test]
+    async fn small_file_is_one_put() {
+        let mem = Arc::new(MemClient::new());
+        let mut up = Upload::new(mem.clone(), "small".into(), 1024, 2);
+        up.write(0, b"hello").await.unwrap();
+        up.finish().await.unwrap();
+        assert_eq!(mem.get("small").unwrap().as_ref(), b"hello");
+    }
+}

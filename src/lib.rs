@@ -1,0 +1,7 @@
+//! s3csi: an S3 file system (FUSE) and the Kubernetes CSI driver built around it.
+
+pub mod config;
+pub mod csi;
+pub mod fs;
+pub mod mounter;
+pub mod s3;

@@ -1,0 +1,38 @@
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "s3csi",
+    version,
+    about = "S3 buckets as file systems: standalone FUSE mount and Kubernetes CSI driver"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Mount a bucket (or a prefix of it) on a directory.
+    Mount(s3csi::fs::session::MountArgs),
+    /// Serve the Kubernetes CSI driver on a unix socket.
+    Csi(s3csi::csi::CsiArgs),
+}
+
+fn main() {
+    // Installed as /sbin/mount.s3csi, mount(8) runs us as `mount.s3csi SOURCE DIR -o ...`.
+    let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let invoked_as_helper = args
+        .first()
+        .and_then(|a| std::path::Path::new(a).file_name())
+        .is_some_and(|n| n == "mount.s3csi");
+    if invoked_as_helper {
+        args.insert(1, "mount".into());
+    }
+    let cli = Cli::parse_from(args);
+    let code = match cli.command {
+        Command::Mount(args) => s3csi::fs::session::run_mount_command(args),
+        Command::Csi(args) => s3csi::csi::run(args),
+    };
+    std::process::exit(code);
+}

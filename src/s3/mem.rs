@@ -1,0 +1,171 @@
+//! In-memory [`ObjectClient`] for unit tests of file-system logic. It keeps keys
+//! exactly as S3 does (flat, sorted, `dir/` markers are ordinary keys).
+
+use super::*;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+
+#[derive(Default)]
+pub struct MemClient {
+    objects: Mutex<BTreeMap<String, (Bytes, SystemTime)>>,
+    uploads: Mutex<HashMap<String, BTreeMap<i32, Bytes>>>,
+    next_upload: Mutex<u64>,
+}
+
+impl MemClient {
+    pub fn new() -> Self {
+        Self::default()
+    }
+    pub fn insert(&self, key: &str, body: impl Into<Bytes>) {
+        self.objects
+            .lock()
+            .unwrap()
+            .insert(key.to_string(), (body.into(), SystemTime::now()));
+    }
+    pub fn get(&self, key: &str) -> Option<Bytes> {
+        self.objects.lock().unwrap().get(key).map(|v| v.0.clone())
+    }
+    pub fn keys(&self) -> Vec<String> {
+        self.objects.lock().unwrap().keys().cloned().collect()
+    }
+    pub fn open_uploads(&self) -> usize {
+        self.uploads.lock().unwrap().len()
+    }
+    fn meta(body: &Bytes, mtime: SystemTime) -> ObjectMeta {
+        ObjectMeta {
+            size: body.len() as u64,
+            mtime,
+            etag: Some(format!("\"{:x}\"", body.len())),
+        }
+    }
+}
+
+#[async_trait]
+impl ObjectClient for MemClient {
+    async fn head_object(&self, key: &str) -> S3Result<ObjectMeta> {
+        let objs = self.objects.lock().unwrap();
+        objs.get(key)
+            .map(|(b, t)| Self::meta(b, *t))
+            .ok_or(S3Error::NotFound)
+    }
+
+    async fn list(&self, req: ListRequest<'_>) -> S3Result<ListPage> {
+        let objs = self.objects.lock().unwrap();
+        let mut page = ListPage::default();
+        let mut last_returned: Option<String> = None;
+        let mut count = 0;
+        for (key, (body, mtime)) in objs.range(req.prefix.to_string()..) {
+            if !key.starts_with(req.prefix) {
+                break;
+            }
+            let rest = &key[req.prefix.len()..];
+            let common = req.delimiter.and_then(|d| {
+                rest.find(d)
+                    .map(|i| format!("{}{}", req.prefix, &rest[..i + d.len()]))
+            });
+            let order_name = common.clone().unwrap_or_else(|| key.clone());
+            if req
+                .continuation
+                .is_some_and(|after| order_name.as_str() <= after)
+            {
+                continue;
+            }
+            if last_returned.as_deref() == Some(order_name.as_str()) {
+                continue;
+            }
+            if count == req.max_keys {
+                page.next_token = last_returned;
+                break;
+            }
+            count += 1;
+            last_returned = Some(order_name);
+            match common {
+                Some(p) => page.prefixes.push(p),
+                None => page.objects.push(ListedObject {
+                    key: key.clone(),
+                    meta: Self::meta(body, *mtime),
+                }),
+            }
+        }
+        Ok(page)
+    }
+
+    async fn get_range(&self, key: &str, start: u64, end: u64) -> S3Result<Bytes> {
+        let objs = self.objects.lock().unwrap();
+        let (body, _) = objs.get(key).ok_or(S3Error::NotFound)?;
+        let end = end.min(body.len() as u64) as usize;
+        let start = (start as usize).min(end);
+        Ok(body.slice(start..end))
+    }
+
+    async fn put_object(&self, key: &str, body: Bytes) -> S3Result<ObjectMeta> {
+        let now = SystemTime::now();
+        let meta = Self::meta(&body, now);
+        self.objects
+            .lock()
+            .unwrap()
+            .insert(key.to_string(), (body, now));
+        Ok(meta)
+    }
+
+    async fn create_multipart(&self, key: &str) -> S3Result<String> {
+        let mut n = self.next_upload.lock().unwrap();
+        *n += 1;
+        let id = format!("{key}#{n}");
+        self.uploads
+            .lock()
+            .unwrap()
+            .insert(id.clone(), BTreeMap::new());
+        Ok(id)
+    }
+
+    async fn upload_part(
+        &self,
+        _key: &str,
+        upload_id: &str,
+        part_number: i32,
+        body: Bytes,
+    ) -> S3Result<CompletedPart> {
+        let mut ups = self.uploads.lock().unwrap();
+        let parts = ups.get_mut(upload_id).ok_or(S3Error::NotFound)?;
+        parts.insert(part_number, body);
+        Ok(CompletedPart {
+            part_number,
+            etag: format!("p{part_number}"),
+        })
+    }
+
+    async fn complete_multipart(
+        &self,
+        key: &str,
+        upload_id: &str,
+        parts: Vec<CompletedPart>,
+    ) -> S3Result<ObjectMeta> {
+        let stored = self
+            .uploads
+            .lock()
+            .unwrap()
+            .remove(upload_id)
+            .ok_or(S3Error::NotFound)?;
+        let mut body = Vec::new();
+        for p in parts {
+            body.extend_from_slice(stored.get(&p.part_number).ok_or(S3Error::NotFound)?);
+        }
+        self.put_object(key, body.into()).await
+    }
+
+    async fn abort_multipart(&self, _key: &str, upload_id: &str) -> S3Result<()> {
+        self.uploads.lock().unwrap().remove(upload_id);
+        Ok(())
+    }
+
+    async fn copy_object(&self, src: &str, dst: &str, _size: u64) -> S3Result<()> {
+        let body = self.get(src).ok_or(S3Error::NotFound)?;
+        self.put_object(dst, body).await.map(|_| ())
+    }
+
+    async fn delete_object(&self, key: &str) -> S3Result<()> {
+        self.objects.lock().unwrap().remove(key);
+        Ok(())
+    }
+}

@@ -1,0 +1,120 @@
+//! The one seam between the file system and the object store.
+//!
+//! Everything above this module talks to [`ObjectClient`]; the real implementation
+//! ([`aws::AwsClient`]) wraps aws-sdk-s3, and [`mem::MemClient`] is an in-memory double
+//! for unit tests of file-system logic. Integration tests always use the real client
+//! against a real S3-compatible server.
+
+pub mod aws;
+pub mod mem;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use std::time::SystemTime;
+
+/// Largest object a single CopyObject may copy; above it we copy part by part.
+pub const MAX_SINGLE_COPY: u64 = 5 * 1024 * 1024 * 1024;
+
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum S3Error {
+    #[error("no such key")]
+    NotFound,
+    #[error("bucket does not exist")]
+    NoSuchBucket,
+    #[error("access denied: {0}")]
+    AccessDenied(String),
+    #[error("precondition failed")]
+    PreconditionFailed,
+    #[error("cannot reach the S3 endpoint: {0}")]
+    Unreachable(String),
+    #[error("S3 request timed out")]
+    Timeout,
+    #[error("S3 error: {0}")]
+    Other(String),
+}
+
+impl S3Error {
+    /// The errno a file-system operation reports for this failure.
+    pub fn errno(&self) -> i32 {
+        match self {
+            S3Error::NotFound => libc::ENOENT,
+            S3Error::AccessDenied(_) => libc::EACCES,
+            S3Error::Timeout => libc::ETIMEDOUT,
+            _ => libc::EIO,
+        }
+    }
+}
+
+pub type S3Result<T> = Result<T, S3Error>;
+
+/// Metadata of one object, from HeadObject or a listing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectMeta {
+    pub size: u64,
+    pub mtime: SystemTime,
+    pub etag: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListedObject {
+    pub key: String,
+    pub meta: ObjectMeta,
+}
+
+/// One page of ListObjectsV2.
+#[derive(Debug, Clone, Default)]
+pub struct ListPage {
+    pub objects: Vec<ListedObject>,
+    /// Common prefixes (with their trailing delimiter), only when a delimiter was given.
+    pub prefixes: Vec<String>,
+    pub next_token: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+pub struct ListRequest<'a> {
+    pub prefix: &'a str,
+    pub delimiter: Option<&'a str>,
+    pub continuation: Option<&'a str>,
+    pub max_keys: i32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CompletedPart {
+    pub part_number: i32,
+    pub etag: String,
+}
+
+#[async_trait]
+pub trait ObjectClient: Send + Sync + 'static {
+    async fn head_object(&self, key: &str) -> S3Result<ObjectMeta>;
+    async fn list(&self, req: ListRequest<'_>) -> S3Result<ListPage>;
+    /// Bytes `start..end` (end exclusive) of `key`.
+    async fn get_range(&self, key: &str, start: u64, end: u64) -> S3Result<Bytes>;
+    async fn put_object(&self, key: &str, body: Bytes) -> S3Result<ObjectMeta>;
+    async fn create_multipart(&self, key: &str) -> S3Result<String>;
+    async fn upload_part(
+        &self,
+        key: &str,
+        upload_id: &str,
+        part_number: i32,
+        body: Bytes,
+    ) -> S3Result<CompletedPart>;
+    async fn complete_multipart(
+        &self,
+        key: &str,
+        upload_id: &str,
+        parts: Vec<CompletedPart>,
+    ) -> S3Result<ObjectMeta>;
+    async fn abort_multipart(&self, key: &str, upload_id: &str) -> S3Result<()>;
+    /// Copy `src` onto `dst` within the bucket; `size` picks single or multipart copy.
+    async fn copy_object(&self, src: &str, dst: &str, size: u64) -> S3Result<()>;
+    async fn delete_object(&self, key: &str) -> S3Result<()>;
+    /// Deletes many keys; returns how many were deleted.
+    async fn delete_objects(&self, keys: Vec<String>) -> S3Result<usize> {
+        let n = keys.len();
+        for k in keys {
+            self.delete_object(&k).await?;
+        }
+        Ok(n)
+    }
+}

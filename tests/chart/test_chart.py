@@ -1,0 +1,730 @@
+"""Tests of the Helm chart (charts/s3csi), the rendered manifests and the examples.
+
+No helm binary and no cluster: the chart is rendered and linted by Helm's Go SDK through PyPI
+`helm-python-sdk`, every object is validated against the official Kubernetes schemas by PyPI
+`kubernetes-validate --strict`, and the wiring that schemas cannot see (driver name, socket
+paths, mount propagation, StorageClass parameters, ServiceAccounts) is asserted here.
+
+Run from the repository root:  python3 -m pytest -q tests/chart
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from chartlib import (
+    CHART_DIR,
+    DRIVER_NAME,
+    EXAMPLES_DIR,
+    MANIFEST,
+    NAMESPACE,
+    REPO,
+    container,
+    default_manifest_text,
+    find,
+    flag,
+    load_values_file,
+    load_yaml_objects,
+    one,
+    render_chart,
+    render_objects,
+)
+
+GOOD_VALUES = ["defaults", "irsa", "two-buckets", "minio-secret"]
+# The oldest Kubernetes release we support and the newest one kubernetes-validate bundles.
+KUBE_VERSIONS = ["1.28", kubernetes_validate.latest_version()]
+EXAMPLES = sorted(p.name for p in EXAMPLES_DIR.glob("*.yaml"))
+ROLE_ARN = "eks.amazonaws.com/role-arn"
+
+
+@pytest.fixture(scope="module", params=GOOD_VALUES)
+def case(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any], list[dict[str, Any]]]:
+    """(values file name, values, rendered objects) for each good values file."""
+    values = load_values_file(request.param)
+    return request.param, values, render_objects(values)
+
+
+@pytest.fixture(scope="module")
+def chart_values() -> dict[str, Any]:
+    with helm.Chart.load(CHART_DIR) as chart:
+        return chart.values
+
+
+def merged(values: dict[str, Any]) -> dict[str, Any]:
+    with helm.Chart.load(CHART_DIR) as chart:
+        return chart.merge_values(values)
+
+
+def node_pod(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    return one(objects, "DaemonSet")["spec"]["template"]["spec"]
+
+
+def controller_pod(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    return one(objects, "Deployment")["spec"]["template"]["spec"]
+
+
+def host_path(pod: dict[str, Any], volume: str) -> str:
+    for v in pod["volumes"]:
+        if v["name"] == volume:
+            return v["hostPath"]["path"]
+    raise AssertionError(f"no volume {volume}")
+
+
+def mount_of(c: dict[str, Any], volume: str) -> dict[str, Any]:
+    mounts = [m for m in c.get("volumeMounts", []) if m["name"] == volume]
+    assert len(mounts) == 1, f"{c['name']} mounts {volume} {len(mounts)} times"
+    return mounts[0]
+
+
+def socket_path(endpoint: str) -> str:
+    assert endpoint.startswith("unix://"), endpoint
+    return endpoint[len("unix://") :]
+
+
+# --- Helm: lint, schema, render -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", GOOD_VALUES)
+@pytest.mark.parametrize("kube_version", ["v1.28.0", None])
+def test_helm_lint_is_clean(name: str, kube_version: str | None) -> None:
+    report = helm.lint(
+        CHART_DIR,
+        load_values_file(name),
+        strict=True,
+        namespace=NAMESPACE,
+        kube_version=kube_version,
+    )
+    assert report["errors"] == []
+    # Severity: 1 info, 2 warning, 3 error. Only the "icon is recommended" info is tolerated.
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert problems == []
+
+
+@pytest.mark.parametrize("name", GOOD_VALUES)
+def test_values_files_pass_the_schema(name: str) -> None:
+    with helm.Chart.load(CHART_DIR) as chart:
+        chart.validate_schema(load_values_file(name))
+
+
+def test_typo_values_fail_the_schema() -> None:
+    values = load_values_file("typo")
+    with helm.Chart.load(CHART_DIR) as chart:
+        with pytest.raises(helm.HelmValuesError) as schema_error:
+            chart.validate_schema(values)
+    message = str(schema_error.value)
+    assert "kubletPath" in message and "reclaimPolicyy" in message
+    # An install would refuse it too: rendering validates against the schema first,
+    with pytest.raises(helm.HelmValuesError):
+        render_chart(values)
+    # and lint reports it as an error.
+    report = helm.lint(CHART_DIR, values, strict=True, namespace=NAMESPACE)
+    assert any("kubletPath" in e for e in report["errors"])
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"logLevel": "verbose"},
+        {"s3": {"region": "eu west 1"}},
+        {"s3": {"endpointUrl": "minio:9000"}},
+        {"image": {"pullPolicy": "Sometimes"}},
+        {"node": {"kubeletPath": "relative/path"}},
+        {"node": {"healthPort": 70000}},
+        {"storageClasses": [{"name": "x"}]},  # no bucket
+        {"storageClasses": [{"name": "x", "bucket": "b-1", "reclaimPolicy": "Recycle"}]},
+        {"storageClasses": [{"name": "x", "bucket": "b-1", "volumeBindingMode": "Later"}]},
+        {"storageClasses": [{"name": "x", "bucket": "b-1", "forcePathStyle": "yes"}]},
+        {"storageClasses": [{"name": "x", "bucket": "b-1", "secretRef": {"namespace": "n"}}]},
+        {"storageClasses": [{"name": "Not_A_Name", "bucket": "b-1"}]},
+        {"awsCredentials": {"create": True}},  # keys missing
+        {"serviceAccount": {"node": {"annotation": {}}}},
+        {"sidecars": {"provisioner": {"image": {"tags": "v1"}}}},
+        {"controller": {"resources": {"request": {"cpu": "1"}}}},
+        {"node": {"tolerations": [{"operator": "Exists", "effects": "NoSchedule"}]}},
+    ],
+    ids=lambda b: json.dumps(b, sort_keys=True),
+)
+def test_schema_rejects_bad_values(bad: dict[str, Any]) -> None:
+    with helm.Chart.load(CHART_DIR) as chart:
+        with pytest.raises(helm.HelmValuesError):
+            chart.validate_schema(bad)
+
+
+def _object_schemas(schema: Any, path: str = "$"):
+    if isinstance(schema, dict):
+        if schema.get("type") == "object" or "properties" in schema:
+            yield path, schema
+        for key, sub in schema.items():
+            yield from _object_schemas(sub, f"{path}.{key}")
+    elif isinstance(schema, list):
+        for i, sub in enumerate(schema):
+            yield from _object_schemas(sub, f"{path}[{i}]")
+
+
+def test_schema_rejects_unknown_keys_everywhere() -> None:
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())
+    for path, obj in _object_schemas(schema):
+        if path == "$.properties.global":
+            continue  # Helm's own `global` values, shared with parent charts
+        if path.endswith(".if") or path.endswith(".then"):
+            continue  # conditional constraints, not value shapes
+        # Maps with free keys (annotations, nodeSelector, resource quantities) constrain their
+        # values instead; every other object closes its key set.
+        assert "additionalProperties" in obj, f"{path} accepts unknown keys"
+        if "properties" in obj:
+            assert obj["additionalProperties"] is False, f"{path} accepts unknown keys"
+
+
+def test_every_values_key_is_commented() -> None:
+    lines = (CHART_DIR / "values.yaml").read_text().splitlines()
+    key_line = re.compile(r"^(\s*)([A-Za-z][\w.-]*):(\s|$)")
+    uncommented = []
+    for i, line in enumerate(lines):
+        match = key_line.match(line)
+        if not match:
+            continue
+        previous = next((p for p in reversed(lines[:i]) if p.strip()), "")
+        if "#" not in line and not previous.lstrip().startswith("#"):
+            uncommented.append(f"values.yaml:{i + 1}: {line.strip()}")
+    assert uncommented == []
+
+
+def test_every_schema_key_appears_in_values_yaml(chart_values: dict[str, Any]) -> None:
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())
+
+    def walk(node: dict[str, Any], values: Any, path: str) -> None:
+        for key, sub in node.get("properties", {}).items():
+            if path == "" and key == "global":
+                continue
+            assert isinstance(values, dict) and key in values, f"{path}.{key} not in values.yaml"
+            if sub.get("type") == "object" and "properties" in sub and key != "resources":
+                walk(sub, values[key], f"{path}.{key}")
+
+    walk(schema, chart_values, "")
+
+
+def test_chart_metadata() -> None:
+    with helm.Chart.load(CHART_DIR) as chart:
+        meta = chart.metadata
+    assert meta["apiVersion"] == "v2"
+    assert (meta["name"], meta["version"], meta["appVersion"]) == ("s3csi", "0.1.0", "0.1.0")
+    cargo = (REPO / "Cargo.toml").read_text()
+    cargo_version = re.search(r'^version\s*=\s*"([^"]+)"', cargo, re.MULTILINE)
+    if cargo_version:
+        assert meta["appVersion"] == cargo_version.group(1), "appVersion != Cargo.toml version"
+
+
+# --- Kubernetes schemas ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+def test_rendered_objects_are_valid_kubernetes(case, kube_version: str) -> None:
+    name, _, objects = case
+    assert objects, f"{name}: nothing rendered"
+    for obj in objects:
+        try:
+            kubernetes_validate.validate(obj, kube_version, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            where = "/".join(str(p) for p in error.absolute_path)
+            pytest.fail(f"{name}: {obj['kind']}/{obj['metadata']['name']} at {where}: {error.message}")
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_examples_are_valid_kubernetes(example: str, kube_version: str) -> None:
+    for obj in load_yaml_objects(EXAMPLES_DIR / example):
+        try:
+            kubernetes_validate.validate(obj, kube_version, strict=True)
+        except kubernetes_validate.ValidationError as error:
+            where = "/".join(str(p) for p in error.absolute_path)
+            pytest.fail(f"{example}: {obj['kind']}/{obj['metadata']['name']} at {where}: {error.message}")
+
+
+def test_examples_exist() -> None:
+    assert {"dynamic.yaml", "static.yaml", "s3-compatible.yaml"} <= set(EXAMPLES)
+
+
+# --- Wiring ----------------------------------------------------------------------------------
+
+
+def test_driver_name_agrees_everywhere(case) -> None:
+    _, _, objects = case
+    driver = one(objects, "CSIDriver")
+    assert driver["metadata"]["name"] == DRIVER_NAME
+    for pod in (node_pod(objects), controller_pod(objects)):
+        assert flag(container(pod, "s3csi")["args"], "driver-name") == DRIVER_NAME
+    for sc in find(objects, "StorageClass"):
+        assert sc["provisioner"] == DRIVER_NAME
+
+
+def test_csidriver_spec(case) -> None:
+    _, _, objects = case
+    spec = one(objects, "CSIDriver")["spec"]
+    assert spec == {
+        "attachRequired": False,
+        "podInfoOnMount": True,
+        "fsGroupPolicy": "File",
+        "requiresRepublish": False,
+        "volumeLifecycleModes": ["Persistent"],
+    }
+
+
+def test_node_plugin_command_line(case) -> None:
+    _, values, objects = case
+    pod = node_pod(objects)
+    s3csi = container(pod, "s3csi")
+    args = s3csi["args"]
+    assert args[0] == "csi"
+    assert flag(args, "mode") == "node"
+    assert flag(args, "node-id") == "$(NODE_NAME)"
+    env = {e["name"]: e for e in s3csi["env"]}
+    assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert flag(args, "log-level") == merged(values)["logLevel"]
+    for extra in merged(values)["node"]["extraArgs"]:
+        assert extra in args
+
+
+def test_node_socket_paths_agree(case) -> None:
+    _, values, objects = case
+    kubelet = merged(values)["node"]["kubeletPath"].rstrip("/")
+    pod = node_pod(objects)
+    s3csi = container(pod, "s3csi")
+    registrar = container(pod, "node-driver-registrar")
+    probe = container(pod, "liveness-probe")
+
+    # The plugin's socket, as the plugin, the registrar and the probe see it (in /csi) ...
+    plugin_dir_in_pod = mount_of(s3csi, "plugin-dir")["mountPath"]
+    endpoint_socket = socket_path(flag(s3csi["args"], "endpoint"))
+    assert endpoint_socket == plugin_dir_in_pod.rstrip("/") + "/csi.sock"
+    for sidecar in (registrar, probe):
+        assert mount_of(sidecar, "plugin-dir")["mountPath"] == plugin_dir_in_pod
+        assert flag(sidecar["args"], "csi-address") == endpoint_socket
+
+    # ... and as the kubelet sees it on the host: the registration path.
+    host_dir = host_path(pod, "plugin-dir").rstrip("/")
+    assert host_dir == f"{kubelet}/plugins/{DRIVER_NAME}"
+    registration_path = flag(registrar["args"], "kubelet-registration-path")
+    assert registration_path == host_dir + "/csi.sock"
+    assert registration_path in registrar["livenessProbe"]["exec"]["command"][1]
+
+    # The registrar's registration socket goes to the kubelet's plugin registry.
+    assert host_path(pod, "registration-dir").rstrip("/") == f"{kubelet}/plugins_registry"
+    assert mount_of(registrar, "registration-dir")["mountPath"] == "/registration"
+
+
+def test_node_kubelet_dir_is_bidirectional_and_privileged(case) -> None:
+    _, values, objects = case
+    kubelet = merged(values)["node"]["kubeletPath"].rstrip("/")
+    pod = node_pod(objects)
+    s3csi = container(pod, "s3csi")
+    assert host_path(pod, "kubelet-dir") == kubelet
+    mount = mount_of(s3csi, "kubelet-dir")
+    assert mount["mountPath"] == kubelet, "pod volume paths must be identical inside and out"
+    assert mount["mountPropagation"] == "Bidirectional"
+    # Bidirectional propagation is only allowed for privileged containers; only s3csi is.
+    assert s3csi["securityContext"]["privileged"] is True
+    for c in pod["containers"]:
+        if c["name"] != "s3csi":
+            assert not c.get("securityContext", {}).get("privileged", False), c["name"]
+            for m in c.get("volumeMounts", []):
+                assert m.get("mountPropagation", "None") == "None", c["name"]
+
+
+def test_node_devices_and_state(case) -> None:
+    _, _, objects = case
+    pod = node_pod(objects)
+    s3csi = container(pod, "s3csi")
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["fuse-device"]["hostPath"] == {"path": "/dev/fuse", "type": "CharDevice"}
+    assert mount_of(s3csi, "fuse-device")["mountPath"] == "/dev/fuse"
+    assert volumes["state-dir"]["hostPath"]["path"] == "/var/lib/s3csi"
+    assert mount_of(s3csi, "state-dir")["mountPath"] == "/var/lib/s3csi"
+
+
+def test_node_scheduling(case) -> None:
+    _, values, objects = case
+    pod = node_pod(objects)
+    node_values = merged(values)["node"]
+    assert pod["priorityClassName"] == node_values["priorityClassName"]
+    assert pod.get("tolerations", []) == node_values["tolerations"]
+    assert pod.get("nodeSelector", {}) == node_values["nodeSelector"]
+    assert pod.get("hostNetwork", False) == node_values["hostNetwork"]
+
+
+def test_defaults_run_everywhere_with_critical_priority() -> None:
+    objects = render_objects({})
+    assert node_pod(objects)["tolerations"] == [{"operator": "Exists"}]
+    assert node_pod(objects)["priorityClassName"] == "system-node-critical"
+    assert controller_pod(objects)["priorityClassName"] == "system-cluster-critical"
+
+
+def test_health_ports_agree(case) -> None:
+    _, values, objects = case
+    m = merged(values)
+    for pod, port in ((node_pod(objects), m["node"]["healthPort"]),
+                      (controller_pod(objects), m["controller"]["healthPort"])):
+        probe = container(pod, "liveness-probe")
+        assert flag(probe["args"], "health-port") == str(port)
+        assert flag(probe["args"], "csi-address") == "/csi/csi.sock"
+        s3csi = container(pod, "s3csi")
+        ports = {p["name"]: p["containerPort"] for p in s3csi["ports"]}
+        assert ports["healthz"] == port
+        assert s3csi["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+
+
+def test_controller_wiring(case) -> None:
+    _, values, objects = case
+    m = merged(values)
+    deployment = one(objects, "Deployment")
+    assert deployment["spec"]["replicas"] == m["controller"]["replicas"]
+    pod = controller_pod(objects)
+    s3csi = container(pod, "s3csi")
+    provisioner = container(pod, "csi-provisioner")
+    args = s3csi["args"]
+    assert args[0] == "csi"
+    assert flag(args, "mode") == "controller"
+    assert flag(args, "node-id") == "controller"
+    endpoint_socket = socket_path(flag(args, "endpoint"))
+    assert endpoint_socket == mount_of(s3csi, "socket-dir")["mountPath"] + "/csi.sock"
+    for sidecar in (provisioner, container(pod, "liveness-probe")):
+        assert flag(sidecar["args"], "csi-address") == endpoint_socket
+        assert mount_of(sidecar, "socket-dir")["mountPath"] == "/csi"
+    assert "--leader-election" in provisioner["args"]
+    assert "--extra-create-metadata" in provisioner["args"]
+    assert {"name": "socket-dir", "emptyDir": {}} in pod["volumes"]
+    for c in pod["containers"]:
+        assert not c.get("securityContext", {}).get("privileged", False)
+
+
+def test_images(case) -> None:
+    _, values, objects = case
+    m = merged(values)
+    tag = m["image"]["tag"] or "0.1.0"
+    expected = f"{m['image']['repository']}:{tag}"
+    for pod in (node_pod(objects), controller_pod(objects)):
+        assert container(pod, "s3csi")["image"] == expected
+        assert container(pod, "s3csi")["imagePullPolicy"] == m["image"]["pullPolicy"]
+        assert pod.get("imagePullSecrets", []) == m["imagePullSecrets"]
+    sidecars = m["sidecars"]
+    registrar = container(node_pod(objects), "node-driver-registrar")
+    assert registrar["image"].startswith("registry.k8s.io/sig-storage/csi-node-driver-registrar:")
+    assert registrar["image"] == "{repository}:{tag}".format(**sidecars["nodeDriverRegistrar"]["image"])
+    provisioner = container(controller_pod(objects), "csi-provisioner")
+    assert provisioner["image"] == "{repository}:{tag}".format(**sidecars["provisioner"]["image"])
+
+
+def test_provisioner_rbac(case) -> None:
+    _, _, objects = case
+    sa = controller_pod(objects)["serviceAccountName"]
+    role = one(objects, "ClusterRole")
+    rules = {
+        (group, resource): set(rule["verbs"])
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    }
+    # kubernetes-csi/external-provisioner deploy/kubernetes/rbac.yaml (minus snapshots and
+    # capacity, which s3csi does not support).
+    required = {
+        ("", "persistentvolumes"): {"get", "list", "watch", "create", "delete", "patch"},
+        ("", "persistentvolumeclaims"): {"get", "list", "watch", "update"},
+        ("storage.k8s.io", "storageclasses"): {"get", "list", "watch"},
+        ("", "events"): {"list", "watch", "create", "update", "patch"},
+        ("storage.k8s.io", "csinodes"): {"get", "list", "watch"},
+        ("", "nodes"): {"get", "list", "watch"},
+        ("storage.k8s.io", "volumeattachments"): {"get", "list", "watch"},
+        ("", "secrets"): {"get"},  # provisioner-secret-name of StorageClasses
+    }
+    for key, verbs in required.items():
+        assert verbs <= rules.get(key, set()), f"ClusterRole lacks {key} {verbs}"
+    binding = one(objects, "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}]
+
+    lease_role = one(objects, "Role")
+    assert lease_role["metadata"]["namespace"] == NAMESPACE
+    assert {
+        "apiGroups": ["coordination.k8s.io"],
+        "resources": ["leases"],
+        "verbs": ["get", "watch", "list", "delete", "update", "create"],
+    } in lease_role["rules"]
+    role_binding = one(objects, "RoleBinding")
+    assert role_binding["roleRef"]["name"] == lease_role["metadata"]["name"]
+    assert role_binding["subjects"][0]["name"] == sa
+
+
+def test_pods_use_the_rendered_service_accounts(case) -> None:
+    _, _, objects = case
+    accounts = {sa["metadata"]["name"] for sa in find(objects, "ServiceAccount")}
+    assert node_pod(objects)["serviceAccountName"] in accounts
+    assert controller_pod(objects)["serviceAccountName"] in accounts
+    assert node_pod(objects)["serviceAccountName"] != controller_pod(objects)["serviceAccountName"]
+
+
+def test_irsa_annotations_land_on_the_pods_service_accounts() -> None:
+    values = load_values_file("irsa")
+    objects = render_objects(values)
+    for pod, component in ((node_pod(objects), "node"), (controller_pod(objects), "controller")):
+        sa = one(objects, "ServiceAccount", pod["serviceAccountName"])
+        expected = values["serviceAccount"][component]["annotations"]
+        assert sa["metadata"]["annotations"] == expected
+        assert sa["metadata"]["annotations"][ROLE_ARN].endswith(f"role/s3csi-{component}")
+        assert sa["metadata"]["namespace"] == NAMESPACE
+        # IRSA: no static keys in the environment, so the SDK's chain finds the web identity.
+        env = {e["name"]: e for e in container(pod, "s3csi").get("env", [])}
+        assert "AWS_ACCESS_KEY_ID" not in env
+        assert env["AWS_REGION"]["value"] == "eu-west-1"
+
+
+def test_existing_service_accounts_are_used_not_created() -> None:
+    values = {
+        "serviceAccount": {
+            "node": {"create": False, "name": "my-node-sa"},
+            "controller": {"create": False, "name": "my-controller-sa"},
+        }
+    }
+    objects = render_objects(values)
+    assert find(objects, "ServiceAccount") == []
+    assert node_pod(objects)["serviceAccountName"] == "my-node-sa"
+    assert controller_pod(objects)["serviceAccountName"] == "my-controller-sa"
+    assert one(objects, "ClusterRoleBinding")["subjects"][0]["name"] == "my-controller-sa"
+
+
+def _secret_env(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {
+        e["name"]: e["valueFrom"]["secretKeyRef"]
+        for e in c.get("env", [])
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
+
+
+def test_default_chain_means_no_static_keys() -> None:
+    objects = render_objects({})
+    assert find(objects, "Secret") == []
+    for pod in (node_pod(objects), controller_pod(objects)):
+        assert _secret_env(container(pod, "s3csi")) == {}
+
+
+def test_created_secret_is_wired_into_both_components() -> None:
+    values = load_values_file("minio-secret")
+    objects = render_objects(values)
+    secret = one(objects, "Secret")
+    name = secret["metadata"]["name"]
+    assert name == "s3csi-minio-aws-credentials"
+    assert secret["metadata"]["namespace"] == NAMESPACE
+    assert secret["stringData"] == {
+        "accessKeyId": "minioadmin",
+        "secretAccessKey": "minioadmin-secret",
+    }
+    for pod in (node_pod(objects), controller_pod(objects)):
+        s3csi = container(pod, "s3csi")
+        assert _secret_env(s3csi) == {
+            "AWS_ACCESS_KEY_ID": {"name": name, "key": "accessKeyId"},
+            "AWS_SECRET_ACCESS_KEY": {"name": name, "key": "secretAccessKey"},
+            "AWS_SESSION_TOKEN": {"name": name, "key": "sessionToken", "optional": True},
+        }
+        env = {e["name"]: e.get("value") for e in s3csi["env"]}
+        assert env["AWS_ENDPOINT_URL"] == values["s3"]["endpointUrl"]
+        assert env["AWS_REGION"] == values["s3"]["region"]
+        # Keys are only referenced, never inlined.
+        assert "minioadmin-secret" not in json.dumps(pod)
+
+
+def test_existing_secret_is_referenced_not_created() -> None:
+    objects = render_objects({"awsCredentials": {"secretName": "my-keys"}})
+    assert find(objects, "Secret") == []
+    for pod in (node_pod(objects), controller_pod(objects)):
+        refs = _secret_env(container(pod, "s3csi"))
+        assert {r["name"] for r in refs.values()} == {"my-keys"}
+        assert refs["AWS_SESSION_TOKEN"]["optional"] is True
+
+
+def test_session_token_is_stored_when_given() -> None:
+    values = copy.deepcopy(load_values_file("minio-secret"))
+    values["awsCredentials"]["sessionToken"] = "tok"
+    secret = one(render_objects(values), "Secret")
+    assert secret["stringData"]["sessionToken"] == "tok"
+
+
+def test_one_storage_class_per_entry(case) -> None:
+    name, values, objects = case
+    entries = values.get("storageClasses", [])
+    classes = {sc["metadata"]["name"]: sc for sc in find(objects, "StorageClass")}
+    assert sorted(classes) == sorted(e["name"] for e in entries), name
+    for entry in entries:
+        sc = classes[entry["name"]]
+        assert sc["provisioner"] == DRIVER_NAME
+        params = sc["parameters"]
+        expected = {"bucket": entry["bucket"]}
+        for key in ("basePrefix", "region", "endpointUrl"):
+            if entry.get(key):
+                expected[key] = entry[key]
+        if "forcePathStyle" in entry:
+            expected["forcePathStyle"] = "true" if entry["forcePathStyle"] else "false"
+        if "secretRef" in entry:
+            ref = entry["secretRef"]
+            ns = ref.get("namespace", NAMESPACE)
+            for stage in ("provisioner", "node-publish"):
+                expected[f"csi.storage.k8s.io/{stage}-secret-name"] = ref["name"]
+                expected[f"csi.storage.k8s.io/{stage}-secret-namespace"] = ns
+        assert params == expected
+        assert all(isinstance(v, str) for v in params.values())
+        assert sc["reclaimPolicy"] == entry.get("reclaimPolicy", "Delete")
+        assert sc["volumeBindingMode"] == entry.get("volumeBindingMode", "Immediate")
+        assert sc.get("mountOptions", []) == entry.get("mountOptions", [])
+        assert sc["allowVolumeExpansion"] is False
+        annotations = sc["metadata"].get("annotations", {})
+        if entry.get("isDefault"):
+            assert annotations["storageclass.kubernetes.io/is-default-class"] == "true"
+        else:
+            assert "storageclass.kubernetes.io/is-default-class" not in annotations
+
+
+def test_objects_are_unique_and_namespaced(case) -> None:
+    _, _, objects = case
+    keys = [(o["kind"], o["metadata"]["name"]) for o in objects]
+    assert len(keys) == len(set(keys))
+    cluster_scoped = {"CSIDriver", "StorageClass", "ClusterRole", "ClusterRoleBinding"}
+    for o in objects:
+        if o["kind"] in cluster_scoped:
+            assert "namespace" not in o["metadata"]
+        else:
+            assert o["metadata"]["namespace"] == NAMESPACE, o["kind"]
+
+
+def test_workload_selectors_match_their_pods(case) -> None:
+    _, _, objects = case
+    for kind in ("DaemonSet", "Deployment"):
+        workload = one(objects, kind)
+        selector = workload["spec"]["selector"]["matchLabels"]
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= labels.items()
+
+
+def test_release_name_and_namespace_flow_through() -> None:
+    objects = render_objects({}, release="storage", namespace="s3csi-system")
+    assert one(objects, "DaemonSet")["metadata"]["name"] == "storage-s3csi-node"
+    assert one(objects, "DaemonSet")["metadata"]["namespace"] == "s3csi-system"
+    binding = one(objects, "ClusterRoleBinding")
+    assert binding["subjects"][0]["namespace"] == "s3csi-system"
+    provisioner = container(controller_pod(objects), "csi-provisioner")
+    assert flag(provisioner["args"], "leader-election-namespace") == "s3csi-system"
+
+
+def test_notes_render(case) -> None:
+    name, values, _ = case
+    notes = render_chart(values)["s3csi/templates/NOTES.txt"]
+    assert DRIVER_NAME in notes
+    for entry in values.get("storageClasses", []):
+        assert entry["name"] in notes, name
+
+
+# --- manifests/ ------------------------------------------------------------------------------
+
+
+def test_rendered_manifest_is_up_to_date() -> None:
+    expected = default_manifest_text()
+    actual = MANIFEST.read_text() if MANIFEST.exists() else ""
+    if actual != expected:
+        pytest.fail(
+            "manifests/s3csi.yaml is stale: run `python3 tests/chart/render_manifests.py` "
+            "and commit the result",
+            pytrace=False,
+        )
+
+
+def test_rendered_manifest_parses_to_the_default_objects() -> None:
+    if load_yaml_objects(MANIFEST) != render_objects({}):
+        pytest.fail("manifests/s3csi.yaml does not hold the default objects", pytrace=False)
+
+
+def test_example_dynamic() -> None:
+    objects = load_yaml_objects(EXAMPLES_DIR / "dynamic.yaml")
+    sc = one(objects, "StorageClass")
+    assert sc["provisioner"] == DRIVER_NAME
+    pvc = one(objects, "PersistentVolumeClaim")
+    assert pvc["spec"]["storageClassName"] == sc["metadata"]["name"]
+    pod = one(objects, "Pod")
+    assert pod["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+
+
+def test_example_static() -> None:
+    objects = load_yaml_objects(EXAMPLES_DIR / "static.yaml")
+    pv = one(objects, "PersistentVolume")
+    csi = pv["spec"]["csi"]
+    assert csi["driver"] == DRIVER_NAME
+    assert csi["volumeHandle"] == "my-bucket/some/prefix"
+    attrs = csi["volumeAttributes"]
+    assert f"{attrs['bucket']}/{attrs['prefix']}" == csi["volumeHandle"]
+    assert set(attrs) == {"bucket", "prefix", "region"}
+    pvc = one(objects, "PersistentVolumeClaim")
+    assert pvc["spec"]["storageClassName"] == "" == pv["spec"]["storageClassName"]
+    assert pvc["spec"]["volumeName"] == pv["metadata"]["name"]
+    pod = one(objects, "Pod")
+    assert pod["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+
+
+def test_example_s3_compatible() -> None:
+    objects = load_yaml_objects(EXAMPLES_DIR / "s3-compatible.yaml")
+    secret = one(objects, "Secret")
+    assert set(secret["stringData"]) <= {"accessKeyId", "secretAccessKey", "sessionToken"}
+    assert {"accessKeyId", "secretAccessKey"} <= set(secret["stringData"])
+    sc = one(objects, "StorageClass")
+    params = sc["parameters"]
+    assert sc["provisioner"] == DRIVER_NAME
+    assert params["endpointUrl"].startswith("http")
+    assert params["forcePathStyle"] == "true"
+    for stage in ("provisioner", "node-publish"):
+        assert params[f"csi.storage.k8s.io/{stage}-secret-name"] == secret["metadata"]["name"]
+        assert params[f"csi.storage.k8s.io/{stage}-secret-namespace"] == secret["metadata"]["namespace"]
+    pvc = one(objects, "PersistentVolumeClaim")
+    assert pvc["spec"]["storageClassName"] == sc["metadata"]["name"]
+
+
+def test_chart_storage_class_matches_the_example_shape() -> None:
+    """The chart renders the s3-compatible example's StorageClass from values alone."""
+    example = one(load_yaml_objects(EXAMPLES_DIR / "s3-compatible.yaml"), "StorageClass")
+    params = example["parameters"]
+    values = {
+        "storageClasses": [
+            {
+                "name": example["metadata"]["name"],
+                "bucket": params["bucket"],
+                "region": params["region"],
+                "endpointUrl": params["endpointUrl"],
+                "forcePathStyle": params["forcePathStyle"] == "true",
+                "reclaimPolicy": example["reclaimPolicy"],
+                "volumeBindingMode": example["volumeBindingMode"],
+                "secretRef": {
+                    "name": params["csi.storage.k8s.io/node-publish-secret-name"],
+                    "namespace": params["csi.storage.k8s.io/node-publish-secret-namespace"],
+                },
+            }
+        ]
+    }
+    rendered = one(render_objects(values), "StorageClass")
+    rendered["metadata"].pop("labels")
+    assert rendered == example
+
+
+# --- Containerfile ---------------------------------------------------------------------------
+
+
+def test_containerfile() -> None:
+    text = (REPO / "Containerfile").read_text()
+    stages = re.findall(r"^FROM\s+(\S+)(?:\s+AS\s+(\S+))?", text, re.MULTILINE | re.IGNORECASE)
+    assert len(stages) >= 2, "multi-stage build expected"
+    assert stages[0][0].endswith("rust:1-bookworm")
+    assert stages[-1][0].endswith("debian:bookworm-slim")
+    assert "cargo build --release --locked" in text
+    assert re.search(r"apt-get install[^\n]*fuse3", text)
+    assert re.search(r"apt-get install[^\n]*ca-certificates", text)
+    assert 'ENTRYPOINT ["/usr/local/bin/s3csi"]' in text

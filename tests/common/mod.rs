@@ -1,0 +1,237 @@
+//! Test harness: a real S3-compatible server (moto) on 127.0.0.1, started once per test
+//! binary, plus helpers to create buckets and run real `s3csi mount` processes.
+#![allow(dead_code)]
+
+use s3csi::s3::aws::{AwsClient, Endpoint};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+pub const ACCESS_KEY: &str = "testing-access-key";
+pub const SECRET_KEY: &str = "testing-secret-key";
+
+pub struct S3Server {
+    pub endpoint: String,
+    _child: Child,
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The shared moto server, started on first use. Killed with the test process
+/// (moto_server is spawned with a parent-death signal).
+pub fn s3() -> &'static S3Server {
+    static SERVER: OnceLock<S3Server> = OnceLock::new();
+    SERVER.get_or_init(|| {
+        let port = free_port();
+        let bin = std::env::var("MOTO_SERVER").unwrap_or_else(|_| "moto_server".into());
+        let mut cmd = Command::new(&bin);
+        cmd.args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        // PR_SET_PDEATHSIG fires when the spawning *thread* exits, so spawn from a
+        // thread that lives as long as the test process.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let child = cmd.spawn();
+            let failed = child.is_err();
+            let _ = tx.send(child);
+            if !failed {
+                loop {
+                    std::thread::park();
+                }
+            }
+        });
+        let child = rx
+            .recv()
+            .unwrap()
+            .unwrap_or_else(|e| panic!("cannot start {bin} (pip install 'moto[server]'): {e}"));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "moto_server did not start");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        S3Server {
+            endpoint: format!("http://127.0.0.1:{port}"),
+            _child: child,
+        }
+    })
+}
+
+/// Environment every S3 client in tests uses: static test keys, a region.
+pub fn set_test_env() {
+    static ONCE: OnceLock<()> = OnceLock::new();
+    ONCE.get_or_init(|| {
+        std::env::set_var("AWS_ACCESS_KEY_ID", ACCESS_KEY);
+        std::env::set_var("AWS_SECRET_ACCESS_KEY", SECRET_KEY);
+        std::env::set_var("AWS_REGION", "us-east-1");
+        std::env::remove_var("AWS_PROFILE");
+        std::env::set_var("AWS_EC2_METADATA_DISABLED", "true");
+    });
+}
+
+pub fn endpoint() -> Endpoint {
+    Endpoint {
+        region: Some("us-east-1".into()),
+        endpoint_url: Some(s3().endpoint.clone()),
+        force_path_style: true,
+    }
+}
+
+pub fn runtime() -> &'static tokio::runtime::Runtime {
+    static RT: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RT.get_or_init(|| tokio::runtime::Runtime::new().unwrap())
+}
+
+/// A client for `bucket` talking to the test server.
+pub fn client(bucket: &str) -> AwsClient {
+    set_test_env();
+    runtime().block_on(AwsClient::new(bucket, &endpoint()))
+}
+
+/// Creates a fresh, uniquely named bucket.
+pub fn new_bucket(hint: &str) -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let name = format!(
+        "{}-{}-{}",
+        hint.to_ascii_lowercase().replace('_', "-"),
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    );
+    let ep = s3().endpoint.clone();
+    // Bucket creation is outside the ObjectClient seam (the file system never creates
+    // buckets), so use a plain HTTP PUT, which moto accepts unsigned.
+    let status = Command::new("curl")
+        .args(["-sf", "-X", "PUT", &format!("{ep}/{name}")])
+        .status()
+        .expect("curl");
+    assert!(status.success(), "create bucket {name}");
+    name
+}
+
+pub fn s3csi_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_s3csi"))
+}
+
+pub fn scratch_dir(name: &str) -> PathBuf {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "s3csi-test-{}-{}-{}",
+        name,
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+pub fn is_mountpoint(path: &Path) -> bool {
+    let target = path.to_string_lossy().to_string();
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .any(|l| l.split(' ').nth(4) == Some(target.as_str()))
+}
+
+/// A running `s3csi mount --foreground` process; unmounts and reaps on drop.
+pub struct Mount {
+    pub dir: PathBuf,
+    pub bucket: String,
+    pub child: Option<Child>,
+    pub log: PathBuf,
+}
+
+impl Mount {
+    pub fn start(bucket: &str, extra: &[&str]) -> Mount {
+        Self::try_start(bucket, extra).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    pub fn try_start(bucket: &str, extra: &[&str]) -> Result<Mount, String> {
+        set_test_env();
+        let dir = scratch_dir("mnt");
+        let log = dir.with_extension("log");
+        let logf = std::fs::File::create(&log).unwrap();
+        let mut cmd = Command::new(s3csi_bin());
+        cmd.arg("mount")
+            .arg("--foreground")
+            .args(["--endpoint-url", &s3().endpoint, "--force-path-style"])
+            .args(["--region", "us-east-1"])
+            .args(extra)
+            .arg(bucket)
+            .arg(&dir)
+            .stdout(Stdio::null())
+            .stderr(logf);
+        let mut child = cmd.spawn().map_err(|e| e.to_string())?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if is_mountpoint(&dir) {
+                break;
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(format!(
+                    "mount exited with {status}: {}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                ));
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                return Err("mount did not appear within 30s".into());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(Mount {
+            dir,
+            bucket: bucket.to_string(),
+            child: Some(child),
+            log,
+        })
+    }
+
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.dir.join(rel)
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Sends SIGTERM and waits for a clean exit (flushes uploads, unmounts).
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            unsafe {
+                libc::kill(child.id() as i32, libc::SIGTERM);
+            }
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while child.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if is_mountpoint(&self.dir) {
+            let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
+        }
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}

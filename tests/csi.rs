@@ -1,0 +1,902 @@
+//! The CSI driver over its unix socket, called with the generated tonic clients exactly as
+//! kubelet and the external-provisioner call it, against the moto S3 server and real FUSE
+//! mounts made by real `s3csi mount` children.
+
+mod common;
+
+use common::{is_mountpoint, new_bucket, s3, s3csi_bin, scratch_dir, ACCESS_KEY, SECRET_KEY};
+use s3csi::csi::pb::controller_client::ControllerClient;
+use s3csi::csi::pb::identity_client::IdentityClient;
+use s3csi::csi::pb::node_client::NodeClient;
+use s3csi::csi::pb::{self, volume_capability as vc};
+use s3csi::s3::aws::AwsClient;
+use s3csi::s3::{ListRequest, ObjectClient};
+use std::collections::HashMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use tonic::transport::Channel;
+use tonic::Code;
+
+/// A running `s3csi csi` process on a socket in a scratch dir.
+struct Server {
+    child: Option<Child>,
+    dir: PathBuf,
+    socket: PathBuf,
+    log: PathBuf,
+}
+
+#[derive(Clone, Copy)]
+enum Env {
+    /// The test process's environment (static test keys in AWS_*).
+    Inherit,
+    /// Nothing but PATH: no AWS credentials anywhere.
+    Bare,
+}
+
+impl Server {
+    fn start(mode: &str, env: Env) -> Server {
+        Self::start_in(scratch_dir("csi"), mode, env)
+    }
+
+    fn start_in(dir: PathBuf, mode: &str, env: Env) -> Server {
+        s3_endpoint();
+        common::set_test_env();
+        let socket = dir.join("plugin").join("csi.sock");
+        let log = dir.join(format!("server-{}.log", std::process::id()));
+        let logf = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .unwrap();
+        let mut cmd = Command::new(s3csi_bin());
+        cmd.arg("csi")
+            .args(["--endpoint", &format!("unix://{}", socket.display())])
+            .args(["--node-id", "test-node", "--mode", mode])
+            .arg("--state-dir")
+            .arg(dir.join("state"))
+            .args([
+                "--s3-endpoint-url",
+                &s3().endpoint,
+                "--s3-region",
+                "us-east-1",
+            ])
+            .arg("--s3-force-path-style")
+            .args(["--unmount-timeout", "10"])
+            .stdout(Stdio::null())
+            .stderr(logf);
+        if let Env::Bare = env {
+            cmd.env_clear()
+                .env("PATH", std::env::var("PATH").unwrap_or_default())
+                .env("AWS_EC2_METADATA_DISABLED", "true")
+                .env("RUST_LOG", "debug");
+        }
+        let child = cmd.spawn().expect("start s3csi csi");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "csi server did not start: {}",
+                read(&log)
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Server {
+            child: Some(child),
+            dir,
+            socket,
+            log,
+        }
+    }
+
+    async fn channel(&self) -> Channel {
+        tonic::transport::Endpoint::from_shared(format!("unix://{}", self.socket.display()))
+            .unwrap()
+            .connect()
+            .await
+            .expect("connect to the csi socket")
+    }
+
+    async fn node(&self) -> NodeClient<Channel> {
+        NodeClient::new(self.channel().await)
+    }
+
+    fn target(&self, pod: &str) -> PathBuf {
+        let parent = self.dir.join("pods").join(pod).join("volumes");
+        std::fs::create_dir_all(&parent).unwrap();
+        parent.join("mount")
+    }
+
+    /// Mounter pids the node service recorded.
+    fn mounter_pids(&self) -> Vec<u32> {
+        let mut pids = vec![];
+        if let Ok(dir) = std::fs::read_dir(self.dir.join("state").join("mounts")) {
+            for e in dir.flatten() {
+                let text = std::fs::read_to_string(e.path()).unwrap_or_default();
+                pids.extend(
+                    text.lines()
+                        .filter_map(|l| l.strip_prefix("pid="))
+                        .filter_map(|p| p.parse::<u32>().ok()),
+                );
+            }
+        }
+        pids
+    }
+
+    fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn log_text(&self) -> String {
+        read(&self.log)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            unsafe {
+                libc::kill(c.id() as i32, libc::SIGTERM);
+            }
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while c.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        // Leftovers of a failed test: stop mounters, detach mounts under our dir.
+        for pid in self.mounter_pids() {
+            unsafe {
+                libc::kill(pid as i32, libc::SIGKILL);
+            }
+        }
+        let prefix = self.dir.to_string_lossy().to_string();
+        for line in read(Path::new("/proc/self/mountinfo")).lines() {
+            if let Some(mp) = line.split(' ').nth(4) {
+                if mp.starts_with(&prefix) {
+                    let _ = Command::new("umount").arg("-l").arg(mp).status();
+                }
+            }
+        }
+    }
+}
+
+/// Starts the shared S3 server from a thread that never exits: moto is spawned with
+/// PR_SET_PDEATHSIG, which fires when the spawning *thread* ends, and test threads do end.
+fn s3_endpoint() -> &'static str {
+    &s3().endpoint
+}
+
+fn read(p: &Path) -> String {
+    std::fs::read_to_string(p).unwrap_or_default()
+}
+
+fn mount_cap(flags: &[&str], mode: vc::access_mode::Mode, group: &str) -> pb::VolumeCapability {
+    pb::VolumeCapability {
+        access_type: Some(vc::AccessType::Mount(vc::MountVolume {
+            fs_type: String::new(),
+            mount_flags: flags.iter().map(|s| s.to_string()).collect(),
+            volume_mount_group: group.to_string(),
+        })),
+        access_mode: Some(vc::AccessMode { mode: mode as i32 }),
+    }
+}
+
+fn rw() -> pb::VolumeCapability {
+    mount_cap(&[], vc::access_mode::Mode::MultiNodeMultiWriter, "")
+}
+
+fn s3_context() -> HashMap<String, String> {
+    HashMap::from([
+        ("endpointUrl".to_string(), s3().endpoint.clone()),
+        ("region".to_string(), "us-east-1".to_string()),
+        ("forcePathStyle".to_string(), "true".to_string()),
+    ])
+}
+
+fn publish_req(volume_id: &str, target: &Path) -> pb::NodePublishVolumeRequest {
+    pb::NodePublishVolumeRequest {
+        volume_id: volume_id.to_string(),
+        target_path: target.to_string_lossy().to_string(),
+        volume_capability: Some(rw()),
+        volume_context: s3_context(),
+        ..Default::default()
+    }
+}
+
+fn unpublish_req(volume_id: &str, target: &Path) -> pb::NodeUnpublishVolumeRequest {
+    pb::NodeUnpublishVolumeRequest {
+        volume_id: volume_id.to_string(),
+        target_path: target.to_string_lossy().to_string(),
+    }
+}
+
+async fn s3_client(bucket: &str) -> AwsClient {
+    common::set_test_env();
+    AwsClient::new(bucket, &common::endpoint()).await
+}
+
+/// Waits until `key` exists in S3 (uploads may finish just after close).
+async fn wait_for_key(client: &AwsClient, key: &str) -> bytes::Bytes {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Ok(meta) = client.head_object(key).await {
+            return client.get_range(key, 0, meta.size).await.unwrap();
+        }
+        assert!(Instant::now() < deadline, "{key} never appeared in S3");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn keys(client: &AwsClient, prefix: &str) -> Vec<String> {
+    let page = client
+        .list(ListRequest {
+            prefix,
+            delimiter: None,
+            continuation: None,
+            max_keys: 1000,
+        })
+        .await
+        .unwrap();
+    page.objects.into_iter().map(|o| o.key).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn identity_and_node_info() {
+    let server = Server::start("all", Env::Inherit);
+    let mut id = IdentityClient::new(server.channel().await);
+    let info = id
+        .get_plugin_info(pb::GetPluginInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.name, "s3csi.dev");
+    assert_eq!(info.vendor_version, env!("CARGO_PKG_VERSION"));
+    let caps = id
+        .get_plugin_capabilities(pb::GetPluginCapabilitiesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(caps.capabilities.len(), 1, "{caps:?}");
+    let probe = id.probe(pb::ProbeRequest {}).await.unwrap().into_inner();
+    assert_eq!(probe.ready, Some(true));
+
+    let mut node = server.node().await;
+    let info = node
+        .node_get_info(pb::NodeGetInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.node_id, "test-node");
+    let caps = node
+        .node_get_capabilities(pb::NodeGetCapabilitiesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    use pb::node_service_capability::{rpc::Type, Type as Cap};
+    let mut types: Vec<i32> = caps
+        .capabilities
+        .iter()
+        .filter_map(|c| match &c.r#type {
+            Some(Cap::Rpc(r)) => Some(r.r#type),
+            _ => None,
+        })
+        .collect();
+    types.sort();
+    assert_eq!(
+        types,
+        vec![
+            Type::GetVolumeStats as i32,
+            Type::VolumeCondition as i32,
+            Type::VolumeMountGroup as i32
+        ]
+    );
+    let mut ctl = ControllerClient::new(server.channel().await);
+    let caps = ctl
+        .controller_get_capabilities(pb::ControllerGetCapabilitiesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(caps.capabilities.len(), 1);
+    // Unimplemented RPCs say so.
+    let err = ctl
+        .list_volumes(pb::ListVolumesRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unimplemented);
+
+    // The socket is private.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&server.socket)
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o777;
+    assert_eq!(mode, 0o600);
+
+    // A node-only server does not claim the controller service, nor serve it.
+    let node_only = Server::start("node", Env::Inherit);
+    let caps = IdentityClient::new(node_only.channel().await)
+        .get_plugin_capabilities(pb::GetPluginCapabilitiesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(caps.capabilities.is_empty());
+    let err = ControllerClient::new(node_only.channel().await)
+        .controller_get_capabilities(pb::ControllerGetCapabilitiesRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unimplemented);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_write_stats_unpublish() {
+    let server = Server::start("node", Env::Inherit);
+    let bucket = new_bucket("csi-pub");
+    let other = new_bucket("csi-other");
+    let mut node = server.node().await;
+    let target = server.target("pod1");
+
+    node.node_publish_volume(publish_req(&bucket, &target))
+        .await
+        .unwrap();
+    assert!(is_mountpoint(&target));
+    std::fs::write(target.join("hello.txt"), b"hello through csi").unwrap();
+    let client = s3_client(&bucket).await;
+    assert_eq!(
+        &wait_for_key(&client, "hello.txt").await[..],
+        b"hello through csi"
+    );
+
+    // Idempotent: the same volume on the same target again.
+    node.node_publish_volume(publish_req(&bucket, &target))
+        .await
+        .unwrap();
+    // A different volume on a mounted target.
+    let err = node
+        .node_publish_volume(publish_req(&other, &target))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::AlreadyExists, "{err:?}");
+
+    let stats = node
+        .node_get_volume_stats(pb::NodeGetVolumeStatsRequest {
+            volume_id: bucket.clone(),
+            volume_path: target.to_string_lossy().to_string(),
+            staging_target_path: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let cond = stats.volume_condition.unwrap();
+    assert!(!cond.abnormal, "{cond:?}");
+    assert_eq!(stats.usage.len(), 2);
+
+    node.node_unpublish_volume(unpublish_req(&bucket, &target))
+        .await
+        .unwrap();
+    assert!(!is_mountpoint(&target));
+    assert!(!target.exists(), "target dir must be removed");
+    assert!(server.mounter_pids().is_empty());
+    node.node_unpublish_volume(unpublish_req(&bucket, &target))
+        .await
+        .unwrap();
+    // Stats of a volume that is not published here.
+    let err = node
+        .node_get_volume_stats(pb::NodeGetVolumeStatsRequest {
+            volume_id: bucket.clone(),
+            volume_path: target.to_string_lossy().to_string(),
+            staging_target_path: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readonly_and_fs_group() {
+    let server = Server::start("node", Env::Inherit);
+    let bucket = new_bucket("csi-ro");
+    let client = s3_client(&bucket).await;
+    client
+        .put_object("data.txt", bytes::Bytes::from_static(b"seed"))
+        .await
+        .unwrap();
+    let mut node = server.node().await;
+
+    let ro = server.target("ro");
+    let mut req = publish_req(&bucket, &ro);
+    req.readonly = true;
+    node.node_publish_volume(req).await.unwrap();
+    assert_eq!(std::fs::read(ro.join("data.txt")).unwrap(), b"seed");
+    assert!(std::fs::write(ro.join("new.txt"), b"x").is_err());
+    node.node_unpublish_volume(unpublish_req(&bucket, &ro))
+        .await
+        .unwrap();
+
+    let grp = server.target("grp");
+    let mut req = publish_req(&bucket, &grp);
+    req.volume_capability = Some(mount_cap(
+        &["metadata-ttl=0s"],
+        vc::access_mode::Mode::SingleNodeWriter,
+        "4321",
+    ));
+    node.node_publish_volume(req).await.unwrap();
+    let meta = std::fs::metadata(grp.join("data.txt")).unwrap();
+    assert_eq!(meta.gid(), 4321);
+    assert_eq!(meta.mode() & 0o777, 0o664);
+    let root = std::fs::metadata(&grp).unwrap();
+    assert_eq!(root.gid(), 4321);
+    assert_eq!(root.mode() & 0o777, 0o775);
+    node.node_unpublish_volume(unpublish_req(&bucket, &grp))
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn static_credentials_from_secrets_only_by_environment() {
+    // The server has no AWS credentials at all: only the Secret can make the mount work.
+    let server = Server::start("node", Env::Bare);
+    let bucket = new_bucket("csi-sec");
+    let mut node = server.node().await;
+    let target = server.target("sec");
+
+    let err = node
+        .node_publish_volume(publish_req(&bucket, &target))
+        .await
+        .unwrap_err();
+    assert_ne!(err.code(), Code::Ok, "without credentials: {err:?}");
+    assert!(!is_mountpoint(&target));
+
+    let mut req = publish_req(&bucket, &target);
+    req.secrets = HashMap::from([
+        ("accessKeyId".to_string(), ACCESS_KEY.to_string()),
+        ("secretAccessKey".to_string(), SECRET_KEY.to_string()),
+    ]);
+    node.node_publish_volume(req).await.unwrap();
+    std::fs::write(target.join("s.txt"), b"secret-backed").unwrap();
+    let client = s3_client(&bucket).await;
+    assert_eq!(&wait_for_key(&client, "s.txt").await[..], b"secret-backed");
+
+    let pids = server.mounter_pids();
+    assert_eq!(pids.len(), 1);
+    let cmdline = std::fs::read(format!("/proc/{}/cmdline", pids[0])).unwrap();
+    let cmdline = String::from_utf8_lossy(&cmdline);
+    assert!(
+        cmdline.contains("mount") && cmdline.contains("--foreground"),
+        "{cmdline}"
+    );
+    assert!(
+        !cmdline.contains(SECRET_KEY) && !cmdline.contains(ACCESS_KEY),
+        "{cmdline}"
+    );
+    let environ = std::fs::read(format!("/proc/{}/environ", pids[0])).unwrap();
+    assert!(String::from_utf8_lossy(&environ).contains(SECRET_KEY));
+
+    node.node_unpublish_volume(unpublish_req(&bucket, &target))
+        .await
+        .unwrap();
+    // Never in any log, even at debug level.
+    let mut logs = server.log_text();
+    for e in std::fs::read_dir(server.dir.join("state").join("logs"))
+        .unwrap()
+        .flatten()
+    {
+        logs.push_str(&read(&e.path()));
+    }
+    assert!(
+        logs.contains("NodePublishVolume"),
+        "debug request log missing"
+    );
+    assert!(!logs.contains(SECRET_KEY), "secret leaked into logs");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_mounter_shows_abnormal_then_unpublishes() {
+    let server = Server::start("node", Env::Inherit);
+    let bucket = new_bucket("csi-kill");
+    let mut node = server.node().await;
+    let target = server.target("k");
+    node.node_publish_volume(publish_req(&bucket, &target))
+        .await
+        .unwrap();
+    let pids = server.mounter_pids();
+    assert_eq!(pids.len(), 1);
+    unsafe {
+        libc::kill(pids[0] as i32, libc::SIGKILL);
+    }
+    let stats_req = pb::NodeGetVolumeStatsRequest {
+        volume_id: bucket.clone(),
+        volume_path: target.to_string_lossy().to_string(),
+        staging_target_path: String::new(),
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let cond = loop {
+        let stats = node
+            .node_get_volume_stats(stats_req.clone())
+            .await
+            .unwrap()
+            .into_inner();
+        let cond = stats.volume_condition.unwrap();
+        if cond.abnormal || Instant::now() > deadline {
+            break cond;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(cond.abnormal && !cond.message.is_empty(), "{cond:?}");
+    // Republishing repairs it.
+    node.node_publish_volume(publish_req(&bucket, &target))
+        .await
+        .unwrap();
+    let stats = node
+        .node_get_volume_stats(stats_req)
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!stats.volume_condition.unwrap().abnormal);
+    node.node_unpublish_volume(unpublish_req(&bucket, &target))
+        .await
+        .unwrap();
+    assert!(!is_mountpoint(&target) && !target.exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_service_restart_keeps_and_adopts_mounts() {
+    let dir = scratch_dir("csi-restart");
+    let mut first = Server::start_in(dir.clone(), "node", Env::Inherit);
+    let bucket = new_bucket("csi-restart");
+    let target = first.target("r");
+    first
+        .node()
+        .await
+        .node_publish_volume(publish_req(&bucket, &target))
+        .await
+        .unwrap();
+    std::fs::write(target.join("before.txt"), b"1").unwrap();
+    let pid = first.mounter_pids()[0];
+    first.kill9();
+    // The mount keeps serving without its node service.
+    std::fs::write(target.join("during.txt"), b"2").unwrap();
+    assert_eq!(std::fs::read(target.join("before.txt")).unwrap(), b"1");
+    let client = s3_client(&bucket).await;
+    wait_for_key(&client, "during.txt").await;
+
+    let second = Server::start_in(dir, "node", Env::Inherit);
+    let mut node = second.node().await;
+    // The adopted mount is known: same volume is OK, stats are healthy.
+    node.node_publish_volume(publish_req(&bucket, &target))
+        .await
+        .unwrap();
+    node.node_unpublish_volume(unpublish_req(&bucket, &target))
+        .await
+        .unwrap();
+    assert!(!is_mountpoint(&target));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Path::new(&format!("/proc/{pid}")).exists() {
+        let stat = read(Path::new(&format!("/proc/{pid}/stat")));
+        if stat.contains(") Z") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "adopted mounter {pid} still running"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(first);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_node_requests_are_rejected_with_the_right_code() {
+    let server = Server::start("node", Env::Inherit);
+    let bucket = new_bucket("csi-bad");
+    let mut node = server.node().await;
+    let target = server.target("bad");
+    let base = publish_req(&bucket, &target);
+    let block = pb::VolumeCapability {
+        access_type: Some(vc::AccessType::Block(vc::BlockVolume {})),
+        access_mode: Some(vc::AccessMode {
+            mode: vc::access_mode::Mode::SingleNodeWriter as i32,
+        }),
+    };
+    type Edit = Box<dyn Fn(&mut pb::NodePublishVolumeRequest)>;
+    let cases: Vec<(&str, Edit, Code, &str)> = vec![
+        (
+            "no volume id",
+            Box::new(|r| r.volume_id.clear()),
+            Code::InvalidArgument,
+            "volume_id",
+        ),
+        (
+            "no target",
+            Box::new(|r| r.target_path.clear()),
+            Code::InvalidArgument,
+            "target_path",
+        ),
+        (
+            "no capability",
+            Box::new(|r| r.volume_capability = None),
+            Code::InvalidArgument,
+            "volume_capability",
+        ),
+        (
+            "block",
+            Box::new(move |r| r.volume_capability = Some(block.clone())),
+            Code::InvalidArgument,
+            "block",
+        ),
+        (
+            "unknown access mode",
+            Box::new(|r| {
+                r.volume_capability = Some(mount_cap(&[], vc::access_mode::Mode::Unknown, ""))
+            }),
+            Code::InvalidArgument,
+            "access mode",
+        ),
+        (
+            "traversal",
+            Box::new(|r| r.target_path = format!("{}/../../etc/x", r.target_path)),
+            Code::InvalidArgument,
+            "..",
+        ),
+        (
+            "relative",
+            Box::new(|r| r.target_path = "pods/x/mount".into()),
+            Code::InvalidArgument,
+            "absolute",
+        ),
+        (
+            "unknown mount option",
+            Box::new(|r| {
+                r.volume_capability = Some(mount_cap(
+                    &["allow-other", "frobnicate=1"],
+                    vc::access_mode::Mode::SingleNodeWriter,
+                    "",
+                ))
+            }),
+            Code::InvalidArgument,
+            "frobnicate",
+        ),
+        (
+            "bad handle",
+            Box::new(|r| r.volume_id = "Not_A_Bucket!".into()),
+            Code::InvalidArgument,
+            "Not_A_Bucket",
+        ),
+        (
+            "unknown attribute",
+            Box::new(|r| {
+                r.volume_context.insert("endpointURL".into(), "x".into());
+            }),
+            Code::InvalidArgument,
+            "endpointURL",
+        ),
+        (
+            "half a secret",
+            Box::new(|r| {
+                r.secrets.insert("accessKeyId".into(), "AKIDHALF".into());
+            }),
+            Code::InvalidArgument,
+            "secretAccessKey",
+        ),
+        (
+            "missing bucket",
+            Box::new(|r| r.volume_id = "no-such-bucket-s3csi".into()),
+            Code::NotFound,
+            "does not exist",
+        ),
+    ];
+    for (name, edit, code, needle) in cases {
+        let mut req = base.clone();
+        edit(&mut req);
+        let err = node.node_publish_volume(req).await.unwrap_err();
+        assert_eq!(err.code(), code, "{name}: {err:?}");
+        assert!(
+            err.message().contains(needle),
+            "{name}: {:?}",
+            err.message()
+        );
+        assert!(!err.message().contains("AKIDHALF"), "{name}");
+        assert!(!is_mountpoint(&target), "{name}");
+    }
+    let err = node
+        .node_unpublish_volume(unpublish_req("", &target))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    let err = node
+        .node_unpublish_volume(unpublish_req(&bucket, Path::new("rel")))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_publishes_never_double_mount() {
+    let server = Server::start("node", Env::Inherit);
+    let bucket = new_bucket("csi-conc");
+    let target = server.target("c");
+    let mut tasks = vec![];
+    for _ in 0..10 {
+        let mut node = server.node().await;
+        let req = publish_req(&bucket, &target);
+        tasks.push(tokio::spawn(
+            async move { node.node_publish_volume(req).await },
+        ));
+    }
+    let mut ok = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(_) => ok += 1,
+            Err(e) => assert_eq!(e.code(), Code::Aborted, "{e:?}"),
+        }
+    }
+    assert!(ok >= 1);
+    let target_s = target.to_string_lossy().to_string();
+    let mounts = read(Path::new("/proc/self/mountinfo"))
+        .lines()
+        .filter(|l| l.split(' ').nth(4) == Some(target_s.as_str()))
+        .count();
+    assert_eq!(mounts, 1, "exactly one mount on the target");
+    assert_eq!(server.mounter_pids().len(), 1);
+    server
+        .node()
+        .await
+        .node_unpublish_volume(unpublish_req(&bucket, &target))
+        .await
+        .unwrap();
+    assert!(!is_mountpoint(&target));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn controller_lifecycle_create_publish_delete() {
+    let server = Server::start("all", Env::Inherit);
+    let bucket = new_bucket("csi-ctl");
+    let mut ctl = ControllerClient::new(server.channel().await);
+    let create = |name: &str, params: &[(&str, &str)]| pb::CreateVolumeRequest {
+        name: name.to_string(),
+        capacity_range: Some(pb::CapacityRange {
+            required_bytes: 5 << 30,
+            limit_bytes: 0,
+        }),
+        volume_capabilities: vec![rw()],
+        parameters: params
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        ..Default::default()
+    };
+    let params = [("bucket", bucket.as_str()), ("basePrefix", "k8s")];
+    let vol = ctl
+        .create_volume(create("pvc-123", &params))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert_eq!(vol.volume_id, format!("{bucket}/k8s/pvc-123"));
+    assert_eq!(vol.capacity_bytes, 5 << 30);
+    assert_eq!(vol.volume_context["prefix"], "k8s/pvc-123/");
+    let client = s3_client(&bucket).await;
+    assert!(client.head_object("k8s/pvc-123/").await.is_ok(), "marker");
+    // Idempotent on the name.
+    let again = ctl
+        .create_volume(create("pvc-123", &params))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert_eq!(again.volume_id, vol.volume_id);
+
+    // Publish it as kubelet would, with the context CreateVolume returned.
+    let mut node = server.node().await;
+    let target = server.target("ctl");
+    let mut req = publish_req(&vol.volume_id, &target);
+    req.volume_context = vol.volume_context.clone();
+    node.node_publish_volume(req).await.unwrap();
+    std::fs::create_dir(target.join("sub")).unwrap();
+    std::fs::write(target.join("sub/f.txt"), b"in the volume").unwrap();
+    assert_eq!(
+        &wait_for_key(&client, "k8s/pvc-123/sub/f.txt").await[..],
+        b"in the volume"
+    );
+    node.node_unpublish_volume(unpublish_req(&vol.volume_id, &target))
+        .await
+        .unwrap();
+
+    // Neighbours that must survive the delete.
+    for key in ["k8s/pvc-1234/keep.txt", "k8s/other.txt", "top.txt"] {
+        client
+            .put_object(key, bytes::Bytes::from_static(b"keep"))
+            .await
+            .unwrap();
+    }
+    for i in 0..25 {
+        client
+            .put_object(&format!("k8s/pvc-123/many/{i}"), bytes::Bytes::new())
+            .await
+            .unwrap();
+    }
+    let validate = ctl
+        .validate_volume_capabilities(pb::ValidateVolumeCapabilitiesRequest {
+            volume_id: vol.volume_id.clone(),
+            volume_capabilities: vec![rw()],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(validate.confirmed.is_some());
+
+    ctl.delete_volume(pb::DeleteVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        secrets: HashMap::new(),
+    })
+    .await
+    .unwrap();
+    assert!(keys(&client, "k8s/pvc-123/").await.is_empty());
+    let mut left = keys(&client, "").await;
+    left.sort();
+    assert_eq!(
+        left,
+        vec!["k8s/other.txt", "k8s/pvc-1234/keep.txt", "top.txt"]
+    );
+    // Idempotent.
+    ctl.delete_volume(pb::DeleteVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        secrets: HashMap::new(),
+    })
+    .await
+    .unwrap();
+
+    // Provisioner secrets are used for the S3 calls.
+    let with_secret = pb::CreateVolumeRequest {
+        secrets: HashMap::from([
+            ("accessKeyId".to_string(), ACCESS_KEY.to_string()),
+            ("secretAccessKey".to_string(), SECRET_KEY.to_string()),
+        ]),
+        ..create("pvc-sec", &params)
+    };
+    ctl.create_volume(with_secret).await.unwrap();
+    assert!(client.head_object("k8s/pvc-sec/").await.is_ok());
+
+    // Bad requests.
+    for (req, needle) in [
+        (create("", &params), "name"),
+        (create("pvc-x", &[("basePrefix", "k8s")]), "bucket"),
+        (
+            create("pvc-x", &[("bucket", bucket.as_str()), ("colour", "blue")]),
+            "colour",
+        ),
+        (
+            pb::CreateVolumeRequest {
+                volume_capabilities: vec![],
+                ..create("pvc-x", &params)
+            },
+            "volume_capabilities",
+        ),
+    ] {
+        let err = ctl.create_volume(req).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+        assert!(err.message().contains(needle), "{:?}", err.message());
+    }
+    let err = ctl
+        .delete_volume(pb::DeleteVolumeRequest {
+            volume_id: bucket.clone(),
+            secrets: HashMap::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.code(),
+        Code::InvalidArgument,
+        "whole-bucket delete refused"
+    );
+    assert!(!server.log_text().contains(SECRET_KEY));
+}

@@ -1,0 +1,474 @@
+//! `s3csi mount` for real: a FUSE mount of a bucket on the local moto S3 server, driven
+//! through ordinary file-system calls, with results checked through the S3 API too.
+
+mod common;
+
+use common::*;
+use s3csi::s3::{ListRequest, ObjectClient};
+use std::fs;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+fn put(bucket: &str, key: &str, body: &[u8]) {
+    let c = client(bucket);
+    runtime()
+        .block_on(c.put_object(key, bytes::Bytes::copy_from_slice(body)))
+        .unwrap();
+}
+
+fn get(bucket: &str, key: &str) -> Option<Vec<u8>> {
+    let c = client(bucket);
+    let rt = runtime();
+    let meta = rt.block_on(c.head_object(key)).ok()?;
+    Some(
+        rt.block_on(c.get_range(key, 0, meta.size))
+            .unwrap()
+            .to_vec(),
+    )
+}
+
+fn keys(bucket: &str, prefix: &str) -> Vec<String> {
+    let c = client(bucket);
+    let mut out = Vec::new();
+    let mut token: Option<String> = None;
+    loop {
+        let page = runtime()
+            .block_on(c.list(ListRequest {
+                prefix,
+                delimiter: None,
+                continuation: token.as_deref(),
+                max_keys: 1000,
+            }))
+            .unwrap();
+        out.extend(page.objects.into_iter().map(|o| o.key));
+        token = page.next_token;
+        if token.is_none() {
+            return out;
+        }
+    }
+}
+
+fn errno_of(e: std::io::Error) -> i32 {
+    e.raw_os_error().unwrap_or(-1)
+}
+
+#[test]
+fn files_and_directories_round_trip() {
+    let bucket = new_bucket("basic");
+    let m = Mount::start(&bucket, &[]);
+    fs::write(m.path("hello.txt"), b"hello world").unwrap();
+    assert_eq!(fs::read(m.path("hello.txt")).unwrap(), b"hello world");
+    assert_eq!(get(&bucket, "hello.txt").unwrap(), b"hello world");
+
+    fs::create_dir(m.path("dir")).unwrap();
+    assert!(
+        keys(&bucket, "").contains(&"dir/".to_string()),
+        "mkdir writes a marker"
+    );
+    fs::write(m.path("dir/inner"), b"x").unwrap();
+    assert_eq!(
+        errno_of(fs::remove_dir(m.path("dir")).unwrap_err()),
+        libc::ENOTEMPTY
+    );
+    fs::rename(m.path("dir/inner"), m.path("moved")).unwrap();
+    assert_eq!(get(&bucket, "moved").unwrap(), b"x");
+    assert!(get(&bucket, "dir/inner").is_none());
+    fs::remove_dir(m.path("dir")).unwrap();
+    assert!(!m.path("dir").exists());
+
+    let mut names: Vec<String> = fs::read_dir(&m.dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["hello.txt", "moved"]);
+    assert_eq!(fs::metadata(m.path("hello.txt")).unwrap().len(), 11);
+
+    fs::remove_file(m.path("hello.txt")).unwrap();
+    assert!(get(&bucket, "hello.txt").is_none());
+    assert_eq!(
+        errno_of(fs::remove_file(m.path("nope")).unwrap_err()),
+        libc::ENOENT
+    );
+    // rename onto an existing file replaces it
+    fs::write(m.path("a"), b"aaa").unwrap();
+    fs::rename(m.path("moved"), m.path("a")).unwrap();
+    assert_eq!(fs::read(m.path("a")).unwrap(), b"x");
+}
+
+#[test]
+fn empty_directories_persist_across_mounts() {
+    let bucket = new_bucket("emptydir");
+    {
+        let m = Mount::start(&bucket, &[]);
+        fs::create_dir_all(m.path("a/b/c")).unwrap();
+        fs::File::create(m.path("a/empty-file")).unwrap();
+    }
+    let m = Mount::start(&bucket, &[]);
+    assert!(m.path("a/b/c").is_dir());
+    assert_eq!(fs::metadata(m.path("a/empty-file")).unwrap().len(), 0);
+}
+
+#[test]
+fn implicit_directories_markers_and_prefix_mounts() {
+    let bucket = new_bucket("implicit");
+    put(&bucket, "x/y/z.txt", b"deep");
+    put(&bucket, "marker/", b"");
+    put(&bucket, "top", b"t");
+    let m = Mount::start(&bucket, &[]);
+    assert!(m.path("x").is_dir() && m.path("x/y").is_dir());
+    assert_eq!(fs::read(m.path("x/y/z.txt")).unwrap(), b"deep");
+    assert!(m.path("marker").is_dir());
+    assert_eq!(fs::read_dir(m.path("marker")).unwrap().count(), 0);
+    drop(m);
+
+    let m = Mount::start(&format!("{bucket}:x"), &[]);
+    assert_eq!(fs::read(m.path("y/z.txt")).unwrap(), b"deep");
+    fs::write(m.path("new"), b"n").unwrap();
+    assert_eq!(get(&bucket, "x/new").unwrap(), b"n");
+    assert!(!m.path("top").exists());
+}
+
+#[test]
+fn ten_thousand_keys_list_completely() {
+    let bucket = new_bucket("many");
+    let c = std::sync::Arc::new(client(&bucket));
+    runtime().block_on(async {
+        let sem = std::sync::Arc::new(tokio::sync::Semaphore::new(32));
+        let mut tasks = Vec::new();
+        for i in 0..10_000 {
+            let c = c.clone();
+            let permit = sem.clone().acquire_owned().await.unwrap();
+            tasks.push(tokio::spawn(async move {
+                c.put_object(&format!("big/f{i:05}"), bytes::Bytes::from_static(b"."))
+                    .await
+                    .unwrap();
+                drop(permit);
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+    });
+    let m = Mount::start(&bucket, &[]);
+    let mut names: Vec<String> = fs::read_dir(m.path("big"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    names.dedup();
+    assert_eq!(names.len(), 10_000);
+    assert_eq!(names[0], "f00000");
+    assert_eq!(names[9_999], "f09999");
+    assert_eq!(fs::metadata(m.path("big/f04321")).unwrap().len(), 1);
+}
+
+/// Deterministic pseudo-random bytes so the test needs no big fixture.
+fn pattern(offset: u64, buf: &mut [u8]) {
+    for (i, b) in buf.iter_mut().enumerate() {
+        let x = (offset + i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        *b = (x >> 56) as u8 ^ (x >> 17) as u8;
+    }
+}
+
+fn fnv(h: &mut u64, data: &[u8]) {
+    for b in data {
+        *h = (*h ^ *b as u64).wrapping_mul(0x100_0000_01b3);
+    }
+}
+
+#[test]
+fn large_file_streams_through_multipart_and_reads_back() {
+    const SIZE: u64 = 256 * 1024 * 1024;
+    let bucket = new_bucket("large");
+    let m = Mount::start(&bucket, &[]);
+    let mut written_hash = 0xcbf2_9ce4_8422_2325u64;
+    {
+        let mut f = fs::File::create(m.path("big.bin")).unwrap();
+        let mut buf = vec![0u8; 1024 * 1024];
+        let mut off = 0;
+        while off < SIZE {
+            pattern(off, &mut buf);
+            fnv(&mut written_hash, &buf);
+            f.write_all(&buf).unwrap();
+            off += buf.len() as u64;
+        }
+        f.sync_all().unwrap();
+    }
+    assert_eq!(fs::metadata(m.path("big.bin")).unwrap().len(), SIZE);
+    // Read back through the mount.
+    let mut read_hash = 0xcbf2_9ce4_8422_2325u64;
+    let mut f = fs::File::open(m.path("big.bin")).unwrap();
+    let mut buf = vec![0u8; 1024 * 1024];
+    let mut total = 0;
+    loop {
+        let n = f.read(&mut buf).unwrap();
+        if n == 0 {
+            break;
+        }
+        fnv(&mut read_hash, &buf[..n]);
+        total += n as u64;
+    }
+    assert_eq!(total, SIZE);
+    assert_eq!(read_hash, written_hash, "bytes read back differ");
+    // Random reads land on the right bytes.
+    for off in [SIZE - 10, 12_345_678, 3, 200 * 1024 * 1024 + 17] {
+        f.seek(SeekFrom::Start(off)).unwrap();
+        let mut got = vec![0u8; 10];
+        let n = f.read(&mut got).unwrap();
+        let mut want = vec![0u8; n];
+        pattern(off, &mut want);
+        assert_eq!(&got[..n], &want[..]);
+    }
+    // And through the S3 API, in ranges.
+    let c = client(&bucket);
+    let meta = runtime().block_on(c.head_object("big.bin")).unwrap();
+    assert_eq!(meta.size, SIZE);
+    let mut s3_hash = 0xcbf2_9ce4_8422_2325u64;
+    let mut off = 0;
+    while off < SIZE {
+        let end = (off + 32 * 1024 * 1024).min(SIZE);
+        let chunk = runtime()
+            .block_on(c.get_range("big.bin", off, end))
+            .unwrap();
+        fnv(&mut s3_hash, &chunk);
+        off = end;
+    }
+    assert_eq!(s3_hash, written_hash, "bytes in S3 differ");
+}
+
+#[test]
+fn overwrite_truncate_and_refused_modifications() {
+    let bucket = new_bucket("semantics");
+    let m = Mount::start(&bucket, &[]);
+    let p = m.path("f");
+    fs::write(&p, b"first version").unwrap();
+    fs::write(&p, b"second").unwrap(); // O_TRUNC overwrite
+    assert_eq!(get(&bucket, "f").unwrap(), b"second");
+
+    // Appending to an existing object is refused, and the object is unchanged.
+    let mut app = fs::OpenOptions::new().append(true).open(&p).unwrap();
+    assert_eq!(
+        errno_of(app.write_all(b"more").unwrap_err()),
+        libc::EOPNOTSUPP
+    );
+    drop(app);
+    // So is writing into its middle.
+    let mut rw = fs::OpenOptions::new().write(true).open(&p).unwrap();
+    rw.seek(SeekFrom::Start(2)).unwrap();
+    assert_eq!(errno_of(rw.write_all(b"XX").unwrap_err()), libc::EOPNOTSUPP);
+    drop(rw);
+    assert_eq!(get(&bucket, "f").unwrap(), b"second");
+
+    // truncate to 0 works; to another size does not.
+    let f = fs::OpenOptions::new().write(true).open(&p).unwrap();
+    assert_eq!(errno_of(f.set_len(3).unwrap_err()), libc::EOPNOTSUPP);
+    f.set_len(0).unwrap();
+    drop(f);
+    assert_eq!(get(&bucket, "f").unwrap(), b"");
+
+    // Directory rename: EXDEV, so mv falls back to copy + delete.
+    fs::create_dir(m.path("d")).unwrap();
+    assert_eq!(
+        errno_of(fs::rename(m.path("d"), m.path("e")).unwrap_err()),
+        libc::EXDEV
+    );
+    let out = Command::new("mv")
+        .arg(m.path("d"))
+        .arg(m.path("e"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(m.path("e").is_dir() && !m.path("d").exists());
+
+    // Symlinks and hard links: EOPNOTSUPP.
+    assert_eq!(
+        errno_of(std::os::unix::fs::symlink("f", m.path("link")).unwrap_err()),
+        libc::EOPNOTSUPP
+    );
+    assert_eq!(
+        errno_of(fs::hard_link(&p, m.path("hard")).unwrap_err()),
+        libc::EOPNOTSUPP
+    );
+    // An existing empty object may be written from the start without O_TRUNC.
+    let mut w = fs::OpenOptions::new().write(true).open(&p).unwrap();
+    w.write_all(b"refilled").unwrap();
+    drop(w);
+    assert_eq!(get(&bucket, "f").unwrap(), b"refilled");
+}
+
+#[test]
+fn changes_by_others_show_up_after_the_metadata_ttl() {
+    let bucket = new_bucket("ttl");
+    put(&bucket, "shared", b"v1");
+    let m = Mount::start(&bucket, &["--metadata-ttl", "1s"]);
+    assert_eq!(fs::read(m.path("shared")).unwrap(), b"v1");
+    put(&bucket, "shared", b"version 2");
+    put(&bucket, "added", b"new");
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(fs::read(m.path("shared")).unwrap(), b"version 2");
+    assert_eq!(fs::read(m.path("added")).unwrap(), b"new");
+    let c = client(&bucket);
+    runtime().block_on(c.delete_object("added")).unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(!m.path("added").exists());
+}
+
+#[test]
+fn statfs_and_df_answer() {
+    let bucket = new_bucket("statfs");
+    let m = Mount::start(&bucket, &[]);
+    let st = nix::sys::statvfs::statvfs(&m.dir).unwrap();
+    assert!(st.blocks() > 1 << 40);
+    let out = Command::new("df").arg(&m.dir).output().unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("s3csi:{bucket}")));
+}
+
+#[test]
+fn read_only_mount_refuses_writes() {
+    let bucket = new_bucket("ro");
+    put(&bucket, "a", b"a");
+    let m = Mount::start(&bucket, &["--read-only"]);
+    assert_eq!(fs::read(m.path("a")).unwrap(), b"a");
+    assert_eq!(
+        errno_of(fs::write(m.path("b"), b"b").unwrap_err()),
+        libc::EROFS
+    );
+    assert_eq!(
+        errno_of(fs::remove_file(m.path("a")).unwrap_err()),
+        libc::EROFS
+    );
+}
+
+fn mount_cmd(args: &[&str]) -> (bool, String, Duration) {
+    set_test_env();
+    let start = Instant::now();
+    let out = Command::new(s3csi_bin())
+        .arg("mount")
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+        start.elapsed(),
+    )
+}
+
+#[test]
+fn bad_input_fails_fast_with_one_clear_line() {
+    let ep = s3().endpoint.clone();
+    let dir = scratch_dir("bad");
+    let d = dir.to_str().unwrap();
+    let base = ["--endpoint-url", ep.as_str(), "--force-path-style"];
+
+    let (ok, err, _) = mount_cmd(&[&base[..], &["no-such-bucket-xyz", d]].concat());
+    assert!(!ok);
+    assert!(err.contains("does not exist"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+
+    let (ok, err, _) = mount_cmd(&[&base[..], &["some-bucket", "/nonexistent/mnt"]].concat());
+    assert!(!ok && err.contains("/nonexistent/mnt"), "{err}");
+
+    let (ok, err, took) = mount_cmd(&["--endpoint-url", "http://127.0.0.1:1", "some-bucket", d]);
+    assert!(!ok && err.contains("127.0.0.1:1"), "{err}");
+    assert!(took < Duration::from_secs(40), "took {took:?}");
+
+    let (ok, err, _) = mount_cmd(&[&base[..], &["-o", "bogus-option", "some-bucket", d]].concat());
+    assert!(!ok && err.contains("bogus-option"), "{err}");
+
+    let (ok, err, _) = mount_cmd(&[&base[..], &["Bad_Bucket!", d]].concat());
+    assert!(!ok && err.contains("Bad_Bucket!"), "{err}");
+
+    // Already mounted.
+    let bucket = new_bucket("twice");
+    let m = Mount::start(&bucket, &[]);
+    let (ok, err, _) =
+        mount_cmd(&[&base[..], &[bucket.as_str(), m.dir.to_str().unwrap()]].concat());
+    assert!(!ok && err.contains("already mounted"), "{err}");
+}
+
+#[test]
+fn wrong_credentials_are_reported() {
+    // A second moto that checks signatures against the keys it knows (none).
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut moto = Command::new("moto_server")
+        .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+        .env("INITIAL_NO_AUTH_ACTION_COUNT", "0")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let dir = scratch_dir("creds");
+    let ep = format!("http://127.0.0.1:{port}");
+    let (ok, err, _) = mount_cmd(&[
+        "--endpoint-url",
+        &ep,
+        "--force-path-style",
+        "any-bucket",
+        dir.to_str().unwrap(),
+    ]);
+    let _ = moto.kill();
+    let _ = moto.wait();
+    assert!(!ok);
+    assert!(err.contains("denied"), "{err}");
+    assert!(!err.contains(SECRET_KEY), "secret leaked: {err}");
+}
+
+#[test]
+fn detaches_only_once_mounted_and_unmounts_cleanly() {
+    let bucket = new_bucket("detach");
+    let dir = scratch_dir("detach");
+    let ep = s3().endpoint.clone();
+    let (ok, err, _) = mount_cmd(&[
+        "--endpoint-url",
+        &ep,
+        "--force-path-style",
+        &bucket,
+        dir.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    assert!(is_mountpoint(&dir), "mounted when the command returned");
+    fs::write(dir.join("f"), b"detached").unwrap();
+    assert!(Command::new("umount").arg(&dir).status().unwrap().success());
+    assert_eq!(get(&bucket, "f").unwrap(), b"detached");
+}
+
+#[test]
+fn sigterm_completes_open_uploads_before_unmounting() {
+    let bucket = new_bucket("sigterm");
+    let mut m = Mount::start(&bucket, &[]);
+    // A writer that keeps its file open: the data is only in the mount's buffers.
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o644)
+        .open(m.path("open-file"))
+        .unwrap();
+    f.write_all(&vec![7u8; 3 * 1024 * 1024]).unwrap();
+    m.stop();
+    drop(f);
+    assert_eq!(get(&bucket, "open-file").unwrap().len(), 3 * 1024 * 1024);
+    assert!(
+        m.log_text().contains("completing open uploads"),
+        "{}",
+        m.log_text()
+    );
+}
