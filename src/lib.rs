@@ -2,6 +2,8 @@
 
 pub mod config;
 pub mod csi;
+pub mod demo;
 pub mod fs;
 pub mod mounter;
 pub mod s3;
+pub mod s3server;

@@ -17,6 +17,10 @@ enum Command {
     Mount(s3csi::fs::session::MountArgs),
     /// Serve the Kubernetes CSI driver on a unix socket.
     Csi(s3csi::csi::CsiArgs),
+    /// Try the driver end to end on this machine: embedded S3, CSI services, a mounted volume.
+    Demo(s3csi::demo::DemoArgs),
+    /// Serve a directory as a small S3-compatible server (demos, tests, local development).
+    S3Server(s3csi::s3server::S3ServerArgs),
 }
 
 fn main() {
@@ -33,6 +37,8 @@ fn main() {
     let code = match cli.command {
         Command::Mount(args) => s3csi::fs::session::run_mount_command(args),
         Command::Csi(args) => s3csi::csi::run(args),
+        Command::Demo(args) => s3csi::demo::run(args),
+        Command::S3Server(args) => s3csi::s3server::run_command(args),
     };
     std::process::exit(code);
 }

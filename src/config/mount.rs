@@ -119,7 +119,7 @@ impl MountConfig {
             dir_mode: 0o755,
             allow_other: false,
             allow_root: false,
-            metadata_ttl: Duration::from_secs(1),
+            metadata_ttl: Duration::from_secs(5),
             part_size: 8 * MIB,
             max_concurrency: 16,
             max_prefetch_memory: 512 * MIB,
@@ -156,6 +156,16 @@ impl MountConfig {
                 let url = need(value)?;
                 if !(url.starts_with("http://") || url.starts_with("https://")) {
                     return Err(invalid(&key, "must start with http:// or https://"));
+                }
+                // It travels inside `-o` lists: a comma would smuggle in another option.
+                if url
+                    .chars()
+                    .any(|c| c == ',' || c.is_whitespace() || c.is_control())
+                {
+                    return Err(invalid(
+                        &key,
+                        "must not contain commas, spaces or control characters",
+                    ));
                 }
                 self.endpoint.endpoint_url = Some(url);
             }

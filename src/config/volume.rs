@@ -399,6 +399,8 @@ impl PublishSpec {
         for flag in input.mount_flags {
             config.apply_option_list(flag)?;
         }
+        // What `mount_args` enforces with flags, whatever the PV's options say.
+        config.allow_other = true;
         if input.read_only {
             config.read_only = true;
         }
@@ -433,21 +435,24 @@ impl PublishSpec {
     /// PV's mount options come last so that they win over what we derive.
     pub fn mount_args(&self) -> Vec<String> {
         let mut args = Vec::new();
-        if let Some(url) = &self.endpoint.endpoint_url {
-            args.extend(["--endpoint-url".to_string(), url.clone()]);
-        }
-        if let Some(r) = &self.endpoint.region {
-            args.extend(["--region".to_string(), r.clone()]);
-        }
-        if self.endpoint.force_path_style {
-            args.push("--force-path-style".into());
-        }
         // Pods run as any uid: without allow-other only root could enter the mount.
         args.push("--allow-other".into());
         if self.read_only {
             args.push("--read-only".into());
         }
+        // Derived settings go first in the `-o` list and the PV's options after them, so
+        // a PV option wins exactly as it did in `PublishSpec::parse` (flags would win over
+        // every `-o` option in the mounter instead).
         let mut opts = Vec::new();
+        if let Some(url) = &self.endpoint.endpoint_url {
+            opts.push(format!("endpoint-url={url}"));
+        }
+        if let Some(r) = &self.endpoint.region {
+            opts.push(format!("region={r}"));
+        }
+        if self.endpoint.force_path_style {
+            opts.push("force-path-style".into());
+        }
         if let Some(g) = self.mount_group {
             opts.push(format!("gid={g},file-mode=0664,dir-mode=0775"));
         }
@@ -529,8 +534,10 @@ mod tests {
         assert_eq!(spec.config.gid, 2000);
         assert_eq!(spec.config.uid, 1000);
         let args = spec.mount_args().join(" ");
-        assert!(args.contains("--endpoint-url http://127.0.0.1:9000 --force-path-style"));
-        assert!(args.contains("-o gid=2000,file-mode=0664,dir-mode=0775,uid=1000,metadata-ttl=5s"));
+        assert!(args.contains(
+            "-o endpoint-url=http://127.0.0.1:9000,force-path-style,\
+             gid=2000,file-mode=0664,dir-mode=0775,uid=1000,metadata-ttl=5s"
+        ));
         assert!(args.contains("--read-only"));
 
         let bad = vec!["bogus-option=1".to_string()];

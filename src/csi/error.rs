@@ -46,9 +46,26 @@ impl CsiError {
     }
 }
 
+/// Longest message a status carries. Messages quote the offending input, which may be
+/// megabytes; gRPC sends the message in a trailer, and one over HTTP/2's header-list limit
+/// (16 KiB by default) turns the clear InvalidArgument into a protocol error.
+pub const MAX_MESSAGE: usize = 1024;
+
+fn bounded(mut msg: String) -> String {
+    if msg.len() > MAX_MESSAGE {
+        let mut end = MAX_MESSAGE;
+        while !msg.is_char_boundary(end) {
+            end -= 1;
+        }
+        msg.truncate(end);
+        msg.push_str("… (truncated)");
+    }
+    msg
+}
+
 impl From<CsiError> for Status {
     fn from(e: CsiError) -> Self {
-        Status::new(e.code(), e.to_string())
+        Status::new(e.code(), bounded(e.to_string()))
     }
 }
 
@@ -81,5 +98,18 @@ impl From<MountError> for CsiError {
             FailureKind::Timeout => CsiError::DeadlineExceeded(e.message),
             FailureKind::Other => CsiError::Internal(e.message),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn huge_messages_are_truncated_on_a_char_boundary() {
+        let s: Status = CsiError::invalid(format!("volume_id {}", "é".repeat(1 << 20))).into();
+        assert!(s.message().len() < MAX_MESSAGE + 32);
+        assert!(s.message().starts_with("volume_id "));
+        assert_eq!(s.code(), Code::InvalidArgument);
     }
 }

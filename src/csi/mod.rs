@@ -69,6 +69,9 @@ pub struct CsiArgs {
     /// How long an unmount may take before a lazy unmount, in seconds
     #[arg(long, default_value = "30")]
     pub unmount_timeout: u64,
+    /// Log level: error, warn, info, debug or trace (RUST_LOG overrides it)
+    #[arg(long, default_value = "info", value_parser = ["error", "warn", "info", "debug", "trace"])]
+    pub log_level: String,
 }
 
 /// One operation at a time per key (a target path, or `volume:<id>`); a second concurrent
@@ -151,9 +154,9 @@ fn bind_socket(path: &Path) -> Result<tokio::net::UnixListener, String> {
     Ok(listener)
 }
 
-fn init_logging() {
+fn init_logging(level: &str) {
     use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -178,7 +181,7 @@ async fn shutdown_signal() {
 
 /// Serves until SIGTERM/SIGINT. Returns the process exit code.
 pub fn run(args: CsiArgs) -> i32 {
-    init_logging();
+    init_logging(&args.log_level);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("s3csi-csi")
@@ -244,6 +247,9 @@ pub async fn serve(
         if adopted > 0 {
             tracing::info!(adopted, "adopted mounts from a previous run");
         }
+        let mounter = Arc::new(mounter);
+        // Replaces mounters that die while their mount is held.
+        mounter.start_supervisor();
         let kubelet_dir = match &args.kubelet_dir {
             Some(d) => Some(
                 std::fs::canonicalize(d)
@@ -253,7 +259,7 @@ pub async fn serve(
         };
         Some(NodeServer::new(node::NodeService {
             node_id,
-            mounter: Arc::new(mounter),
+            mounter,
             kubelet_dir,
             defaults: defaults.clone(),
             in_flight: in_flight.clone(),

@@ -129,8 +129,11 @@ impl NodeService {
         let _guard = self.in_flight.try_begin(&target)?;
         let status = self.mounter.status(&target);
         match (&status.volume_id, &status.mounted) {
-            (Some(v), Some(_)) if *v == req.volume_id && status.problem.is_none() => {
-                tracing::info!("already published");
+            (Some(v), Some(_))
+                if *v == req.volume_id && (status.problem.is_none() || status.recoverable) =>
+            {
+                // A mount whose mounter is being replaced is published all the same.
+                tracing::info!(problem = ?status.problem, "already published");
                 return Ok(());
             }
             (Some(v), Some(_)) if *v != req.volume_id => {
@@ -170,6 +173,11 @@ impl NodeService {
                     v
                 })
                 .unwrap_or_default(),
+            kernel: crate::mounter::handoff::KernelMount {
+                fsname: format!("s3csi:{}", spec.source.bucket),
+                read_only: spec.read_only || spec.config.read_only,
+                allow_other: spec.config.allow_other || spec.config.allow_root,
+            },
         };
         tracing::info!(
             source = %request.source,
@@ -242,7 +250,14 @@ impl NodeService {
                 volume_condition: Some(condition(true, problem)),
             });
         }
-        match nix::sys::statvfs::statvfs(&path) {
+        let serving = match status.replacements {
+            0 => "mounted and serving".to_string(),
+            n => format!(
+                "mounted and serving; the mounter was replaced {n} time(s), last because {}",
+                status.last_replacement.as_deref().unwrap_or("it died")
+            ),
+        };
+        match crate::mounter::statvfs_within(&path, std::time::Duration::from_secs(5)) {
             Ok(s) => {
                 let frsize = s.fragment_size().max(1) as i64;
                 let total = s.blocks() as i64 * frsize;
@@ -265,12 +280,12 @@ impl NodeService {
                             unit: Unit::Inodes as i32,
                         },
                     ],
-                    volume_condition: Some(condition(false, "mounted and serving".into())),
+                    volume_condition: Some(condition(false, serving)),
                 })
             }
             Err(e) => Ok(pb::NodeGetVolumeStatsResponse {
                 usage: vec![],
-                volume_condition: Some(condition(true, format!("{}: {e}", path.display()))),
+                volume_condition: Some(condition(true, e)),
             }),
         }
     }

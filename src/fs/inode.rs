@@ -6,10 +6,13 @@
 //! (lookup count 0) are evicted in bulk when the table grows past its cap, so huge
 //! directories do not pin memory.
 
-use std::collections::HashMap;
+use super::inode_log::{Binding, InodeLog};
+use std::collections::{HashMap, HashSet};
 use std::time::{Instant, SystemTime};
 
 pub const ROOT_INO: u64 = 1;
+/// Lookup count of an inode restored after a mounter crash: never reaches 0 by counting.
+const RESTORED_LOOKUPS: u64 = 1 << 40;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -36,6 +39,12 @@ pub struct Inode {
     pub writer: Option<u64>,
     /// Created in this mount and not yet uploaded: S3 does not know it yet.
     pub local_only: bool,
+    /// For directories: every child was in this table at that instant (a full listing,
+    /// or mkdir of an empty directory), and our own changes kept it so since. Lets a
+    /// lookup of a missing name answer ENOENT without asking S3, within the TTL.
+    pub complete_as_of: Option<Instant>,
+    /// For directories: when a background listing was last started (see `S3Fs::list_ahead`).
+    pub list_ahead_at: Option<Instant>,
 }
 
 impl Inode {
@@ -52,6 +61,15 @@ pub struct InodeTable {
     by_name: HashMap<(u64, String), u64>,
     next_ino: u64,
     evict_above: usize,
+    /// Bumped whenever a name is dropped from the table without being deleted in S3, so
+    /// a listing that raced with it does not claim to be complete.
+    pub forgotten_names: u64,
+    /// Crash recovery (see `inode_log`): where bindings the kernel knows are persisted.
+    log: Option<InodeLog>,
+    /// Inodes whose binding is in the log.
+    logged: HashSet<u64>,
+    /// Inodes restored from a dead mounter's log: the kernel's lookup count is unknown.
+    recovered: HashSet<u64>,
 }
 
 impl InodeTable {
@@ -70,12 +88,98 @@ impl InodeTable {
             open_handles: 0,
             writer: None,
             local_only: false,
+            complete_as_of: None,
+            list_ahead_at: None,
         };
         Self {
             by_ino: HashMap::from([(ROOT_INO, root)]),
             by_name: HashMap::new(),
             next_ino: ROOT_INO + 1,
             evict_above,
+            forgotten_names: 0,
+            log: None,
+            logged: HashSet::new(),
+            recovered: HashSet::new(),
+        }
+    }
+
+    /// Restores the bindings a dead mounter persisted and persists new ones to `log` from
+    /// now on. Restored inodes are pinned until the kernel forgets them (their lookup
+    /// count is unknown; a FORGET always carries the kernel's whole count).
+    pub fn restore_and_log(&mut self, restored: &[Binding], max_ino: u64, mut log: InodeLog) {
+        let mount_time = self.by_ino.get(&ROOT_INO).map(|r| r.mtime);
+        for b in restored {
+            if b.ino == ROOT_INO || self.by_ino.contains_key(&b.ino) {
+                continue;
+            }
+            self.by_ino.insert(
+                b.ino,
+                Inode {
+                    ino: b.ino,
+                    parent: b.parent,
+                    name: b.name().to_string(),
+                    kind: b.kind,
+                    key: b.key.clone(),
+                    size: 0,
+                    mtime: mount_time.unwrap_or_else(SystemTime::now),
+                    etag: None,
+                    validated: None,
+                    lookups: RESTORED_LOOKUPS,
+                    open_handles: 0,
+                    writer: None,
+                    local_only: false,
+                    complete_as_of: None,
+                    list_ahead_at: None,
+                },
+            );
+            self.by_name.insert((b.parent, b.name().to_string()), b.ino);
+            self.logged.insert(b.ino);
+            self.recovered.insert(b.ino);
+        }
+        self.next_ino = self.next_ino.max(max_ino + 1);
+        let live = self.logged_bindings();
+        log.compact(&live);
+        self.log = Some(log);
+    }
+
+    fn logged_bindings(&self) -> Vec<Binding> {
+        let mut v: Vec<Binding> = self
+            .logged
+            .iter()
+            .filter_map(|i| self.by_ino.get(i))
+            .map(Binding::of)
+            .collect();
+        v.sort_by_key(|b| b.ino);
+        v
+    }
+
+    /// The kernel now knows `ino`: persist its binding before the reply goes out.
+    fn log_known(&mut self, ino: u64) {
+        let Some(log) = self.log.as_mut() else {
+            return;
+        };
+        if ino == ROOT_INO || self.logged.contains(&ino) {
+            return;
+        }
+        if let Some(i) = self.by_ino.get(&ino) {
+            log.bind(&Binding::of(i));
+            self.logged.insert(ino);
+            if log.wants_compaction(self.logged.len()) {
+                let live = self.logged_bindings();
+                if let Some(log) = self.log.as_mut() {
+                    log.compact(&live);
+                }
+            }
+        }
+    }
+
+    /// `ino` lost its name or left the table: a replacement must not resolve it.
+    fn log_gone(&mut self, ino: u64) {
+        self.recovered.remove(&ino);
+        if self.logged.remove(&ino) {
+            if let Some(log) = self.log.as_mut() {
+                log.unbind(ino);
+            }
         }
     }
 
@@ -149,6 +253,8 @@ impl InodeTable {
                 open_handles: 0,
                 writer: None,
                 local_only: false,
+                complete_as_of: None,
+                list_ahead_at: None,
             },
         );
         self.by_name.insert((parent, name.to_string()), ino);
@@ -161,6 +267,7 @@ impl InodeTable {
     /// Unbinds `name`; the inode itself lives on until the kernel forgets it.
     pub fn unbind(&mut self, parent: u64, name: &str) -> Option<u64> {
         let ino = self.by_name.remove(&(parent, name.to_string()))?;
+        self.log_gone(ino);
         self.maybe_remove(ino);
         Some(ino)
     }
@@ -185,8 +292,12 @@ impl InodeTable {
             i.name = new_name.to_string();
             i.key = key;
         }
-        if let Some(r) = replaced {
+        if let Some(r) = replaced.filter(|r| *r != ino) {
+            self.log_gone(r);
             self.maybe_remove(r);
+        }
+        if self.logged.remove(&ino) {
+            self.log_known(ino);
         }
         replaced
     }
@@ -195,11 +306,17 @@ impl InodeTable {
         if let Some(i) = self.by_ino.get_mut(&ino) {
             i.lookups += 1;
         }
+        self.log_known(ino);
     }
 
     pub fn forget(&mut self, ino: u64, n: u64) {
+        let restored = n > 0 && self.recovered.remove(&ino);
         if let Some(i) = self.by_ino.get_mut(&ino) {
-            i.lookups = i.lookups.saturating_sub(n);
+            i.lookups = if restored {
+                0
+            } else {
+                i.lookups.saturating_sub(n)
+            };
         }
         self.maybe_remove(ino);
     }
@@ -218,9 +335,20 @@ impl InodeTable {
             return;
         }
         if bound {
-            self.by_name.remove(&(i.parent, i.name.clone()));
+            let parent = i.parent;
+            self.by_name.remove(&(parent, i.name.clone()));
+            self.forget_completeness(parent);
         }
         self.by_ino.remove(&ino);
+        self.log_gone(ino);
+    }
+
+    /// The table no longer holds every child of `dir`.
+    fn forget_completeness(&mut self, dir: u64) {
+        self.forgotten_names += 1;
+        if let Some(d) = self.by_ino.get_mut(&dir) {
+            d.complete_as_of = None;
+        }
     }
 
     /// Removes every inode that only a listing created and nobody holds.
@@ -241,8 +369,10 @@ impl InodeTable {
             if let Some(i) = self.by_ino.remove(&ino) {
                 if self.by_name.get(&(i.parent, i.name.clone())) == Some(&ino) {
                     self.by_name.remove(&(i.parent, i.name));
+                    self.forget_completeness(i.parent);
                 }
             }
+            self.log_gone(ino);
         }
     }
 
@@ -265,6 +395,8 @@ impl InodeTable {
         i.mtime = SystemTime::now();
         i.etag = None;
         i.local_only = kind == Kind::File;
+        // create() hands the number to the kernel without add_lookup.
+        self.log_known(ino);
         Some(ino)
     }
 }
@@ -302,9 +434,48 @@ mod tests {
             );
         }
         assert!(t.len() <= 101, "table holds {}", t.len());
+        assert!(t.get(ROOT_INO).unwrap().complete_as_of.is_none());
         assert!(t.get(kept).is_some());
         t.forget(kept, 1);
         assert!(t.get(kept).is_none());
+    }
+
+    #[test]
+    fn bindings_the_kernel_knows_are_restored_by_a_replacement() {
+        use crate::fs::inode_log::{self, InodeLog};
+        let dir = std::env::temp_dir().join(format!("s3csi-inotable-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("inodes.log");
+        let mut t = InodeTable::new("p/".into(), SystemTime::now(), 1000);
+        t.restore_and_log(&[], 0, InodeLog::create(&path, "p/", &[]).unwrap());
+        let d = t.upsert(ROOT_INO, "d", Kind::Dir, 0, SystemTime::now(), None);
+        let listed = t.upsert(d, "listed", Kind::File, 1, SystemTime::now(), None);
+        let f = t.upsert(d, "f", Kind::File, 1, SystemTime::now(), None);
+        t.add_lookup(d);
+        t.add_lookup(f);
+        let gone = t.upsert(ROOT_INO, "gone", Kind::File, 1, SystemTime::now(), None);
+        t.add_lookup(gone);
+        t.forget(gone, 1);
+        // The dead mounter's table is lost; the log is what a replacement sees.
+        let loaded = inode_log::load(&path, "p/").unwrap();
+        let mut r = InodeTable::new("p/".into(), SystemTime::now(), 1000);
+        r.restore_and_log(
+            &loaded.bindings,
+            loaded.max_ino,
+            InodeLog::create(&path, "p/", &[]).unwrap(),
+        );
+        assert_eq!(r.get(d).unwrap().key, "p/d/");
+        assert_eq!(r.child(d, "f").unwrap().ino, f);
+        assert!(r.get(listed).is_none() && r.get(gone).is_none());
+        // New numbers never reuse one the kernel may hold.
+        let n = r.upsert(ROOT_INO, "new", Kind::File, 0, SystemTime::now(), None);
+        assert!(n > gone);
+        // Restored inodes survive eviction until the kernel forgets them.
+        r.evict_idle();
+        assert!(r.get(f).is_some());
+        r.forget(f, 3);
+        assert!(r.get(f).is_none());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -18,11 +18,12 @@
 pub mod error;
 pub mod fuse;
 pub mod inode;
+pub mod inode_log;
 pub mod prefetch;
 pub mod session;
 pub mod upload;
 
-use crate::s3::{ListRequest, ObjectClient, S3Error};
+use crate::s3::{ListPage, ListRequest, ObjectClient, S3Error};
 use bytes::Bytes;
 pub use error::{FsError, FsResult};
 use inode::{Inode, InodeTable, Kind};
@@ -37,6 +38,8 @@ use upload::Upload;
 /// S3 refuses keys longer than this.
 const MAX_KEY_LEN: usize = 1024;
 const LIST_PAGE: i32 = 1000;
+/// Pages a background listing after a lookup miss reads at most (see `list_ahead`).
+const LIST_AHEAD_PAGES: usize = 5;
 /// Inode table size above which entries nobody holds are dropped.
 const INODE_CAP: usize = 50_000;
 
@@ -63,7 +66,7 @@ impl Default for FsConfig {
             gid: 0,
             file_mode: 0o644,
             dir_mode: 0o755,
-            metadata_ttl: Duration::from_secs(1),
+            metadata_ttl: Duration::from_secs(5),
             read_only: false,
             part_size: 8 * 1024 * 1024,
             max_concurrency: 16,
@@ -130,6 +133,8 @@ struct DirStream {
     token: Option<String>,
     started: bool,
     listed_all: bool,
+    /// When this listing pass began, and the table's forgotten-name count then.
+    pass_start: Option<(Instant, u64)>,
     local_names: HashSet<String>,
 }
 
@@ -141,7 +146,7 @@ enum Handle {
 pub struct S3Fs {
     client: Arc<dyn ObjectClient>,
     cfg: FsConfig,
-    inodes: Mutex<InodeTable>,
+    inodes: Arc<Mutex<InodeTable>>,
     handles: Mutex<HashMap<u64, Handle>>,
     next_fh: AtomicU64,
     prefetch_budget: Arc<Semaphore>,
@@ -168,12 +173,60 @@ fn visible_name(name: &str) -> bool {
     check_name(name).is_ok()
 }
 
+/// One child as a LIST page shows it.
+struct ListedEntry {
+    kind: Kind,
+    name: String,
+    size: u64,
+    mtime: SystemTime,
+    etag: Option<String>,
+}
+
+/// The children one LIST page of `dir_key` shows, sorted by name: common prefixes are
+/// directories, a file with the same name as a directory is hidden by it, the directory's
+/// own marker and names that are not a single valid path component are skipped.
+fn page_entries(dir_key: &str, page: &ListPage, dir_mtime: SystemTime) -> Vec<ListedEntry> {
+    let dir_names: HashSet<&str> = page
+        .prefixes
+        .iter()
+        .filter_map(|p| p.strip_prefix(dir_key))
+        .map(|p| p.trim_end_matches('/'))
+        .collect();
+    let dirs = dir_names.iter().map(|name| ListedEntry {
+        kind: Kind::Dir,
+        name: name.to_string(),
+        size: 0,
+        mtime: dir_mtime,
+        etag: None,
+    });
+    let files = page.objects.iter().filter_map(|o| {
+        let name = o.key.strip_prefix(dir_key)?;
+        (!dir_names.contains(name)).then(|| ListedEntry {
+            kind: Kind::File,
+            name: name.to_string(),
+            size: o.meta.size,
+            mtime: o.meta.mtime,
+            etag: o.meta.etag.clone(),
+        })
+    });
+    let mut entries: Vec<ListedEntry> = dirs
+        .chain(files)
+        .filter(|e| visible_name(&e.name))
+        .collect();
+    entries.sort_by(|a, b| a.name.cmp(&b.name));
+    entries
+}
+
 impl S3Fs {
     pub fn new(client: Arc<dyn ObjectClient>, cfg: FsConfig) -> Self {
         let mount_time = SystemTime::now();
         let units = (cfg.max_prefetch_memory / BUDGET_UNIT).min(u32::MAX as u64 / 2) as usize;
         Self {
-            inodes: Mutex::new(InodeTable::new(cfg.prefix.clone(), mount_time, INODE_CAP)),
+            inodes: Arc::new(Mutex::new(InodeTable::new(
+                cfg.prefix.clone(),
+                mount_time,
+                INODE_CAP,
+            ))),
             client,
             cfg,
             handles: Mutex::new(HashMap::new()),
@@ -185,6 +238,19 @@ impl S3Fs {
 
     pub fn config(&self) -> &FsConfig {
         &self.cfg
+    }
+
+    /// Crash recovery, for a mounter that may be replaced (see `inode_log`): restores the
+    /// inode bindings a dead predecessor persisted, persists new ones to `log`, and starts
+    /// file handles at `first_fh` so that none equals a handle the dead one gave out.
+    pub fn enable_recovery(
+        &self,
+        restored: inode_log::Loaded,
+        log: inode_log::InodeLog,
+        first_fh: u64,
+    ) {
+        lock(&self.inodes).restore_and_log(&restored.bindings, restored.max_ino, log);
+        self.next_fh.fetch_max(first_fh, Ordering::Relaxed);
     }
 
     fn attr_of(&self, i: &Inode) -> Attr {
@@ -218,6 +284,12 @@ impl S3Fs {
             || i.local_only
             || i.validated
                 .is_some_and(|t| t.elapsed() < self.cfg.metadata_ttl)
+    }
+
+    /// True when the parent's children are all known (see `Inode::complete_as_of`).
+    fn listing_fresh(&self, dir: &Inode) -> bool {
+        dir.complete_as_of
+            .is_some_and(|t| t.elapsed() < self.cfg.metadata_ttl)
     }
 
     fn inode(&self, ino: u64) -> FsResult<Inode> {
@@ -291,8 +363,11 @@ impl S3Fs {
                     t.add_lookup(attr.ino);
                     return Ok(attr);
                 }
+            } else if self.listing_fresh(&parent_inode) {
+                return Err(FsError::NotFound);
             }
         }
+        self.list_ahead(&parent_inode);
         match self.probe(&parent_inode.key, name).await? {
             Some((kind, meta)) => {
                 let mut t = lock(&self.inodes);
@@ -322,6 +397,60 @@ impl S3Fs {
                 Err(FsError::NotFound)
             }
         }
+    }
+
+    /// After a lookup miss, lists the whole directory in the background (once per TTL, at
+    /// most `LIST_AHEAD_PAGES` pages): tools that stat or open one entry usually go on
+    /// with its siblings (`ls -l`, `find`, `rm -r`), which then cost no request at all,
+    /// and a complete listing answers for names that do not exist too.
+    fn list_ahead(&self, dir: &Inode) {
+        {
+            let mut t = lock(&self.inodes);
+            let Some(d) = t.get_mut(dir.ino) else {
+                return;
+            };
+            if d.list_ahead_at
+                .is_some_and(|at| at.elapsed() < self.cfg.metadata_ttl)
+            {
+                return;
+            }
+            d.list_ahead_at = Some(Instant::now());
+        }
+        let client = self.client.clone();
+        let inodes = self.inodes.clone();
+        let (ino, key, dir_mtime) = (dir.ino, dir.key.clone(), self.mount_time);
+        tokio::spawn(async move {
+            let (started, forgotten) = (Instant::now(), lock(&inodes).forgotten_names);
+            let mut token: Option<String> = None;
+            for _ in 0..LIST_AHEAD_PAGES {
+                let request = ListRequest {
+                    prefix: &key,
+                    delimiter: Some("/"),
+                    continuation: token.as_deref(),
+                    max_keys: LIST_PAGE,
+                };
+                let page = match client.list(request).await {
+                    Ok(p) => p,
+                    Err(e) => {
+                        tracing::debug!(key = %key, error = %e, "background listing failed");
+                        return;
+                    }
+                };
+                let mut t = lock(&inodes);
+                for e in page_entries(&key, &page, dir_mtime) {
+                    t.upsert(ino, &e.name, e.kind, e.size, e.mtime, e.etag);
+                }
+                token = page.next_token;
+                if token.is_none() {
+                    if forgotten == t.forgotten_names {
+                        if let Some(d) = t.get_mut(ino) {
+                            d.complete_as_of = Some(started);
+                        }
+                    }
+                    return;
+                }
+            }
+        });
     }
 
     pub fn forget(&self, ino: u64, n: u64) {
@@ -657,13 +786,19 @@ impl S3Fs {
     }
 
     pub async fn release(&self, fh: u64) -> FsResult<()> {
-        let handle = lock(&self.handles).remove(&fh);
-        let Some(Handle::File(file)) = handle else {
-            return Ok(());
+        let file = match lock(&self.handles).get(&fh) {
+            Some(Handle::File(f)) => f.clone(),
+            _ => {
+                lock(&self.handles).remove(&fh);
+                return Ok(());
+            }
         };
         let mut f = file.lock().await;
-        // Normally flush already committed; this covers handles closed without one.
+        // Normally flush already committed; this covers handles closed without one (an
+        // empty new file, or a descriptor last closed by another process). The handle stays
+        // registered until the commit is done, so that `flush_all` on unmount waits for it.
         let result = self.commit(&mut f, fh).await;
+        lock(&self.handles).remove(&fh);
         let mut t = lock(&self.inodes);
         if let Some(i) = t.get_mut(f.ino) {
             i.open_handles = i.open_handles.saturating_sub(1);
@@ -707,11 +842,14 @@ impl S3Fs {
         if key.len() > MAX_KEY_LEN {
             return Err(FsError::NameTooLong);
         }
+        let probed_at = Instant::now();
         self.client.put_object(&key, Bytes::new()).await?;
         let mut t = lock(&self.inodes);
         let ino = t.upsert(parent, name, Kind::Dir, 0, SystemTime::now(), None);
         t.add_lookup(ino);
-        let i = t.get(ino).ok_or(FsError::NotFound)?;
+        let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
+        // Nothing existed under it a moment ago: the new directory is known to be empty.
+        i.complete_as_of = Some(probed_at);
         Ok(self.attr_of(i))
     }
 
@@ -877,6 +1015,7 @@ impl S3Fs {
                 token: None,
                 started: false,
                 listed_all: false,
+                pass_start: None,
                 local_names: HashSet::new(),
             })))),
         )
@@ -904,6 +1043,7 @@ impl S3Fs {
             d.token = None;
             d.started = false;
             d.listed_all = false;
+            d.pass_start = None;
             d.local_names.clear();
         }
         loop {
@@ -931,6 +1071,7 @@ impl S3Fs {
         };
         if !d.started {
             d.started = true;
+            d.pass_start = Some((Instant::now(), lock(&self.inodes).forgotten_names));
             let (ino, parent) = (d.ino, d.parent);
             push(d, ino, Kind::Dir, ".".into());
             push(d, parent, Kind::Dir, "..".into());
@@ -955,41 +1096,25 @@ impl S3Fs {
                 max_keys: LIST_PAGE,
             })
             .await?;
-        let dir_names: HashSet<String> = page
-            .prefixes
-            .iter()
-            .map(|p| p[d.key.len()..].trim_end_matches('/').to_string())
-            .collect();
-        let mut entries: Vec<(Kind, String, u64, SystemTime, Option<String>)> = Vec::new();
-        for name in &dir_names {
-            entries.push((Kind::Dir, name.clone(), 0, self.mount_time, None));
-        }
-        for o in &page.objects {
-            let name = &o.key[d.key.len()..];
-            if dir_names.contains(name) {
-                continue;
-            }
-            entries.push((
-                Kind::File,
-                name.to_string(),
-                o.meta.size,
-                o.meta.mtime,
-                o.meta.etag.clone(),
-            ));
-        }
-        entries.retain(|(_, name, ..)| visible_name(name) && !d.local_names.contains(name));
-        entries.sort_by(|a, b| a.1.cmp(&b.1));
-        {
-            let mut t = lock(&self.inodes);
-            for (kind, name, size, mtime, etag) in entries {
-                let ino = t.upsert(d.ino, &name, kind, size, mtime, etag);
-                if ino != 0 {
-                    push(d, ino, kind, name);
-                }
+        let mut entries = page_entries(&d.key, &page, self.mount_time);
+        entries.retain(|e| !d.local_names.contains(&e.name));
+        let mut t = lock(&self.inodes);
+        for e in entries {
+            let ino = t.upsert(d.ino, &e.name, e.kind, e.size, e.mtime, e.etag);
+            if ino != 0 {
+                push(d, ino, e.kind, e.name);
             }
         }
         d.token = page.next_token;
         d.listed_all = d.token.is_none();
+        if let (true, Some((started, forgotten))) = (d.listed_all, d.pass_start) {
+            // Every child is in the table now, unless some were dropped meanwhile.
+            if forgotten == t.forgotten_names {
+                if let Some(dir) = t.get_mut(d.ino) {
+                    dir.complete_as_of = Some(started);
+                }
+            }
+        }
         Ok(())
     }
 

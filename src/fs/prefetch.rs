@@ -29,7 +29,7 @@ pub struct PrefetchConfig {
 impl Default for PrefetchConfig {
     fn default() -> Self {
         Self {
-            initial_window: 1024 * 1024,
+            initial_window: 4 * 1024 * 1024,
             max_window: 64 * 1024 * 1024,
             max_chunk: 8 * 1024 * 1024,
         }

@@ -89,6 +89,13 @@ pub struct MountArgs {
     /// Ignored; mount(8) passes it to helpers
     #[arg(short = 'v', hide = true)]
     pub verbose: bool,
+    /// (CSI node service only) do not mount: serve the /dev/fuse descriptor the node
+    /// service hands over on DIR/control.sock, and keep crash-recovery state in DIR
+    #[arg(long, hide = true, value_name = "DIR")]
+    pub handoff_dir: Option<PathBuf>,
+    /// (CSI node service only) with --handoff-dir: take over from a mounter that died
+    #[arg(long, hide = true, requires = "handoff_dir")]
+    pub recover: bool,
 }
 
 const MOUNT_HELP: &str = "\
@@ -308,6 +315,9 @@ pub fn run_mount_command(args: MountArgs) -> i32 {
         Ok(c) => c,
         Err(e) => return fail(&mut ready, e.to_string()),
     };
+    if let Some(dir) = args.handoff_dir.clone() {
+        return run_handoff(&args, &cfg, &dir);
+    }
     let mountpoint = match check_mountpoint(&args.mountpoint) {
         Ok(p) => p,
         Err(e) => return fail(&mut ready, e),
@@ -423,4 +433,254 @@ async fn wait_for_stop(background: &fuser::BackgroundSession) -> Option<&'static
             }
         }
     }
+}
+
+/// `s3csi mount --handoff-dir DIR`: the CSI node service has mounted (or will mount) the
+/// target itself and hands us the /dev/fuse descriptor over `DIR/control.sock`; see
+/// `mounter::handoff`. We never mount or unmount; SIGTERM completes open uploads and exits,
+/// the node service unmounts.
+fn run_handoff(args: &MountArgs, cfg: &MountConfig, dir: &Path) -> i32 {
+    use crate::mounter::handoff;
+    use std::os::unix::net::UnixListener;
+    if let Some(p) = &args.log_file {
+        redirect_stdio(Some(p));
+    }
+    if let Ok(null) = std::fs::File::open("/dev/null") {
+        let _ = nix::unistd::dup2_stdin(&null);
+    }
+    init_logging(cfg.debug);
+    let fail = |msg: String| -> i32 {
+        tracing::error!("{msg}");
+        eprintln!("s3csi: {msg}");
+        1
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("s3csi-io")
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => return fail(format!("cannot start runtime: {e}")),
+    };
+    let client = rt.block_on(AwsClient::new(&cfg.source.bucket, &cfg.endpoint));
+    if !args.recover {
+        // A replacement serves even while S3 is unreachable: requests fail with EIO
+        // instead of hanging until S3 answers.
+        if let Err(msg) = rt.block_on(check_bucket(&client, cfg)) {
+            return fail(msg);
+        }
+    }
+    let sock = handoff::control_socket(dir);
+    let _ = std::fs::remove_file(&sock);
+    let listener = match UnixListener::bind(&sock) {
+        Ok(l) => l,
+        Err(e) => return fail(format!("cannot listen on {}: {e}", sock.display())),
+    };
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let _ = std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o600));
+    }
+    tracing::info!(socket = %sock.display(), recover = args.recover, "waiting for the FUSE descriptor");
+    // Wait for SERVE + descriptor.
+    let (conn, fuse_fd) = loop {
+        let conn = match listener.accept() {
+            Ok((c, _)) => c,
+            Err(e) => return fail(format!("control socket: {e}")),
+        };
+        let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
+        match handoff::recv(&conn) {
+            Ok((line, Some(fd))) if line == "SERVE" => break (conn, fd),
+            Ok((line, _)) if line == "PING" => {
+                let _ = handoff::send(&conn, &format!("OK pid={}", std::process::id()), None);
+            }
+            Ok((line, _)) => {
+                let _ = handoff::send(&conn, &format!("ERR not serving yet: {line:?}"), None);
+            }
+            Err(e) => tracing::warn!(error = %e, "control connection failed"),
+        }
+    };
+    let fs = Arc::new(S3Fs::new(Arc::new(client), fs_config(cfg)));
+    let background = match serve_descriptor(&fs, cfg, dir, &fuse_fd, args.recover, &rt) {
+        Ok(b) => b,
+        Err(msg) => {
+            let _ = handoff::send(&conn, &format!("ERR {msg}"), None);
+            return fail(msg);
+        }
+    };
+    tracing::info!(
+        bucket = %cfg.source.bucket,
+        prefix = %cfg.source.prefix,
+        mountpoint = %args.mountpoint.display(),
+        recovered = args.recover,
+        "serving the FUSE descriptor handed over by the node service"
+    );
+    let _ = handoff::send(&conn, "OK", None);
+    drop(conn);
+    std::thread::Builder::new()
+        .name("s3csi-control".into())
+        .spawn(move || serve_control(listener, fuse_fd))
+        .ok();
+
+    let stop = rt.block_on(wait_for_stop(&background));
+    if let Some(signal) = stop {
+        tracing::info!(
+            signal,
+            "stopping: completing open uploads; the node service unmounts"
+        );
+        let failed = rt.block_on(fs.flush_all());
+        if failed > 0 {
+            tracing::error!(failed, "some uploads failed while stopping");
+        }
+        tracing::info!("stopped");
+        return 0;
+    }
+    let _ = background.join();
+    tracing::info!("unmounted");
+    0
+}
+
+/// Answers the node service on the control socket once serving: `FD` gets our descriptor.
+fn serve_control(listener: std::os::unix::net::UnixListener, fuse_fd: OwnedFd) {
+    use crate::mounter::handoff;
+    use std::os::fd::AsRawFd;
+    for conn in listener.incoming() {
+        let Ok(conn) = conn else { continue };
+        let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
+        let _ = conn.set_write_timeout(Some(Duration::from_secs(5)));
+        match handoff::recv(&conn) {
+            Ok((line, _)) if line == "FD" => {
+                tracing::info!("handing our FUSE descriptor to the node service");
+                let _ = handoff::send(&conn, "OK", Some(fuse_fd.as_raw_fd()));
+            }
+            Ok((line, _)) if line == "PING" => {
+                let _ = handoff::send(&conn, &format!("OK pid={}", std::process::id()), None);
+            }
+            Ok((line, _)) => {
+                let _ = handoff::send(&conn, &format!("ERR unknown request {line:?}"), None);
+            }
+            Err(_) => {}
+        }
+    }
+}
+
+/// Sets up the FUSE session on a descriptor that is already mounted.
+///
+/// fuser's `Session::from_fd` insists on reading FUSE_INIT first, but the kernel sends
+/// INIT once per connection: a replacement never sees it. So the session is created on one
+/// end of a socket pair into which we write INIT ourselves — the real one (read from the
+/// descriptor and saved to `DIR/init.bin`) for the first mounter, whose reply we forward
+/// to the kernel; the saved one for a replacement, whose reply the kernel already had from
+/// the first. Then the session's descriptor number is pointed at /dev/fuse with dup3
+/// before its loop starts, and a replacement asks the kernel to resend what the dead
+/// mounter left unanswered.
+fn serve_descriptor(
+    fs: &Arc<S3Fs>,
+    cfg: &MountConfig,
+    dir: &Path,
+    fuse_fd: &OwnedFd,
+    recover: bool,
+    rt: &tokio::runtime::Runtime,
+) -> Result<fuser::BackgroundSession, String> {
+    use super::inode_log::{self, InodeLog};
+    use crate::mounter::handoff;
+    use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
+    use std::os::fd::{AsFd, AsRawFd};
+
+    let root_key = fs.config().prefix.clone();
+    let log_path = dir.join(handoff::INODE_LOG);
+    let restored = if recover {
+        inode_log::load(&log_path, &root_key)
+            .map_err(|e| format!("cannot read {}: {e}", log_path.display()))?
+    } else {
+        inode_log::Loaded::default()
+    };
+    let log = InodeLog::create(&log_path, &root_key, &[])
+        .map_err(|e| format!("cannot write {}: {e}", log_path.display()))?;
+    let first_fh = if recover {
+        // Above every handle an earlier mounter of this volume can have handed out.
+        let ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(1);
+        ms << 20
+    } else {
+        1
+    };
+    tracing::info!(
+        restored = restored.bindings.len(),
+        first_fh,
+        "inode bindings persisted in {}",
+        log_path.display()
+    );
+    fs.enable_recovery(restored, log, first_fh);
+
+    let init_path = dir.join(handoff::INIT_FILE);
+    let init = if recover {
+        std::fs::read(&init_path).map_err(|e| {
+            format!(
+                "cannot read the saved FUSE_INIT {}: {e}",
+                init_path.display()
+            )
+        })?
+    } else {
+        // The first request on a fresh connection is INIT; /dev/fuse wants a buffer that
+        // can take the largest write request.
+        let mut buf = vec![0u8; (16 << 20) + 8192];
+        let n =
+            nix::unistd::read(fuse_fd, &mut buf).map_err(|e| format!("reading FUSE_INIT: {e}"))?;
+        buf.truncate(n);
+        let tmp = init_path.with_extension("tmp");
+        std::fs::write(&tmp, &buf)
+            .and_then(|_| std::fs::rename(&tmp, &init_path))
+            .map_err(|e| format!("cannot save FUSE_INIT: {e}"))?;
+        buf
+    };
+    let (ours, theirs) = socketpair(
+        AddressFamily::Unix,
+        SockType::SeqPacket,
+        None,
+        SockFlag::SOCK_CLOEXEC,
+    )
+    .map_err(|e| format!("socketpair: {e}"))?;
+    nix::unistd::write(&ours, &init).map_err(|e| format!("replaying FUSE_INIT: {e}"))?;
+
+    let adapter = FuseAdapter::new(fs.clone(), rt.handle().clone());
+    let mut fuse_cfg = fuser::Config::default();
+    // The kernel enforces access (allow_other or only root, set by the node service).
+    fuse_cfg.acl = if cfg.allow_root && !cfg.allow_other {
+        fuser::SessionACL::RootAndOwner
+    } else {
+        fuser::SessionACL::All
+    };
+    let acl = fuse_cfg.acl;
+    let session = fuser::Session::from_fd(adapter, theirs, acl, fuse_cfg)
+        .map_err(|e| format!("FUSE handshake: {e}"))?;
+    let mut reply = vec![0u8; 64 * 1024];
+    let n = nix::unistd::read(&ours, &mut reply).map_err(|e| format!("FUSE_INIT reply: {e}"))?;
+    if !recover {
+        nix::unistd::write(fuse_fd, &reply[..n])
+            .map_err(|e| format!("answering FUSE_INIT: {e}"))?;
+    }
+    // SAFETY: the session's descriptor is not in use by any thread yet; dup3 atomically
+    // makes that number refer to /dev/fuse (closing the socket end it referred to), and
+    // the session keeps owning (and eventually closing) the number.
+    let raw = session.as_fd().as_raw_fd();
+    if unsafe { libc::dup3(fuse_fd.as_raw_fd(), raw, libc::O_CLOEXEC) } < 0 {
+        return Err(format!("dup3: {}", std::io::Error::last_os_error()));
+    }
+    drop(ours);
+    let background = session
+        .spawn()
+        .map_err(|e| format!("cannot start the FUSE session: {e}"))?;
+    if recover {
+        match handoff::notify_resend(fuse_fd.as_fd()) {
+            Ok(()) => tracing::info!(
+                "asked the kernel to resend requests the dead mounter left unanswered"
+            ),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot ask the kernel to resend unanswered requests (Linux < 6.9?); those calls stay blocked")
+            }
+        }
+    }
+    Ok(background)
 }

@@ -212,3 +212,56 @@ async fn only_the_opening_process_commits_on_close() {
     assert_eq!(mem.get("f").unwrap().as_ref(), b"abcdef");
     fs.release(fh).await.unwrap();
 }
+
+#[tokio::test]
+async fn lookups_in_a_fully_known_directory_need_no_request() {
+    let mem = Arc::new(MemClient::new());
+    mem.insert("d/a", "a");
+    let fs = fs_with(mem.clone(), "");
+    let d = fs.lookup(ROOT, "d").await.unwrap();
+    assert_eq!(names(&fs, d.ino).await.len(), 3);
+    // Someone else adds a key: within the TTL the complete listing still answers.
+    mem.insert("d/b", "b");
+    assert!(matches!(
+        fs.lookup(d.ino, "b").await,
+        Err(FsError::NotFound)
+    ));
+    // A new directory is known to be empty, and our own creates keep it complete.
+    let e = fs.mkdir(ROOT, "e").await.unwrap();
+    let (_, fh) = fs.create(e.ino, "new", W, None).await.unwrap();
+    fs.release(fh).await.unwrap();
+    assert!(fs.lookup(e.ino, "new").await.is_ok());
+    assert!(matches!(
+        fs.lookup(e.ino, "other").await,
+        Err(FsError::NotFound)
+    ));
+}
+
+#[tokio::test]
+async fn a_lookup_miss_lists_the_directory_for_its_siblings() {
+    let mem = Arc::new(MemClient::new());
+    for i in 0..50 {
+        mem.insert(&format!("d/f{i}"), "x");
+    }
+    let fs = fs_with(mem.clone(), "");
+    let d = fs.lookup(ROOT, "d").await.unwrap();
+    fs.lookup(d.ino, "f0").await.unwrap();
+    // Let the background listing land.
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+    }
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let before = mem.metadata_requests();
+    for i in 1..50 {
+        assert_eq!(fs.lookup(d.ino, &format!("f{i}")).await.unwrap().size, 1);
+    }
+    assert!(matches!(
+        fs.lookup(d.ino, "missing").await,
+        Err(FsError::NotFound)
+    ));
+    assert_eq!(
+        mem.metadata_requests(),
+        before,
+        "siblings should come from the listing"
+    );
+}

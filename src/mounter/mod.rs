@@ -1,28 +1,48 @@
-//! Starting, tracking, adopting and stopping mounts.
+//! Starting, tracking, adopting, replacing and stopping mounts.
 //!
-//! [`ProcessMounter`] runs each volume as a child process of the same binary,
-//! `s3csi mount --foreground ... BUCKET[:PREFIX] TARGET`, and
+//! [`ProcessMounter`] mounts by descriptor ([`handoff`]): it opens `/dev/fuse`, mounts the
+//! target itself and hands the descriptor to a child process of the same binary,
+//! `s3csi mount --foreground --handoff-dir DIR ... BUCKET[:PREFIX] TARGET`, keeping a
+//! duplicate. Then
+//! - a mounter that dies (crash, OOM kill, kill -9) is replaced: the supervisor task
+//!   notices within [`SUPERVISE_EVERY`], starts `s3csi mount --recover` and hands it the
+//!   same descriptor; the mount never leaves mountinfo, requests wait meanwhile, and the
+//!   replacement resolves the dead one's inode numbers from `DIR/inodes.log`. Every
+//!   replacement is logged and counted; `status` reports a problem while it runs;
+//! - a restarted node service asks every surviving mounter for its descriptor
+//!   (`recover`), so it can replace them later too. Credentials for a replacement are
+//!   read back from the running mounter's environment (`/proc/PID/environ`), never
+//!   written to disk.
+//!
+//! As before, it
 //! - puts it in its own session and process group, with stdin on /dev/null and stderr in a
 //!   log file under the state directory (no pipe back to us), so a restart or crash of the
 //!   node service leaves every mount serving;
 //! - hands credentials over only as `AWS_*` environment variables;
 //! - counts a publish as done only once the target shows up in `/proc/self/mountinfo` with
 //!   a FUSE type, or fails with the last line the mounter wrote to stderr;
-//! - records each mount in `STATE_DIR/mounts/*.state` (volume id, target, pid) so that a
-//!   restarted node service adopts its mounts and unpublishes them correctly later;
-//! - unmounts by SIGTERM (the mounter flushes open uploads and unmounts itself), then
-//!   `umount2`, then a lazy `MNT_DETACH` only after a timeout, and reaps the child.
+//! - records each mount in `STATE_DIR/mounts/*.state` (volume id, target, pid, handoff
+//!   dir, source, args — no credentials) so that a restarted node service adopts its mounts
+//!   and unpublishes them correctly later; per-mount recovery files live in
+//!   `STATE_DIR/handoff/<key>/`;
+//! - unmounts by SIGTERM (the mounter flushes open uploads and exits), then `umount2`,
+//!   then a lazy `MNT_DETACH` only after a timeout, then closes its descriptor (which ends
+//!   the FUSE connection), and reaps the child. Mounts made by older versions (the mounter
+//!   mounted itself) are still adopted and unmounted the old way.
 //!
 //! Invariant: at most one operation runs per target at a time (the node service's
 //! in-flight guard); the tracking map is only a cache of what mountinfo and the state
 //! directory say.
 
+pub mod handoff;
 pub mod mountinfo;
 
 use async_trait::async_trait;
 use std::collections::HashMap;
 use std::io::{Read, Seek, SeekFrom};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -41,6 +61,8 @@ pub struct MountRequest {
     pub env: Vec<(&'static str, String)>,
     /// Values to remove from any message that leaves this module.
     pub scrub: Vec<String>,
+    /// How the kernel mount is made.
+    pub kernel: handoff::KernelMount,
 }
 
 impl std::fmt::Debug for MountRequest {
@@ -92,6 +114,12 @@ pub struct MountStatus {
     pub mounted: Option<MountEntry>,
     /// Why the mount is not healthy, if it is not.
     pub problem: Option<String>,
+    /// The problem is being repaired: a replacement mounter is (about to be) started.
+    pub recoverable: bool,
+    /// How many times the mounter of this mount was replaced by this node service.
+    pub replacements: u32,
+    /// Why the last replacement happened.
+    pub last_replacement: Option<String>,
 }
 
 #[async_trait]
@@ -107,7 +135,55 @@ struct Tracked {
     pid: u32,
     /// Set by the reaper task when our child exits; None for adopted mounters.
     exited: Option<Arc<Mutex<Option<String>>>>,
+    /// Our duplicate of the mount's /dev/fuse descriptor (mounts by descriptor only).
+    fuse_fd: Option<Arc<OwnedFd>>,
+    handoff_dir: Option<PathBuf>,
+    /// What a replacement is started with; None when it could not be recovered.
+    request: Option<MountRequest>,
+    /// Unmount in progress: do not replace.
+    stopping: bool,
+    /// A replacement is starting, for this reason.
+    replacing: Option<String>,
+    replacements: u32,
+    last_replacement: Option<String>,
+    /// Failed replacement attempts in a row, and when to try again.
+    failures: u32,
+    retry_at: Option<Instant>,
 }
+
+impl Tracked {
+    fn new(volume_id: String, pid: u32, exited: Option<Arc<Mutex<Option<String>>>>) -> Self {
+        Tracked {
+            volume_id,
+            pid,
+            exited,
+            fuse_fd: None,
+            handoff_dir: None,
+            request: None,
+            stopping: false,
+            replacing: None,
+            replacements: 0,
+            last_replacement: None,
+            failures: 0,
+            retry_at: None,
+        }
+    }
+
+    /// Why the mounter is not running, if it is not.
+    fn dead(&self) -> Option<String> {
+        if let Some(e) = &self.exited {
+            return e
+                .lock()
+                .unwrap()
+                .as_ref()
+                .map(|s| format!("the mounter process {} exited ({s})", self.pid));
+        }
+        (!pid_alive(self.pid)).then(|| format!("the mounter process {} is gone", self.pid))
+    }
+}
+
+/// How often the supervisor looks for dead mounters.
+pub const SUPERVISE_EVERY: Duration = Duration::from_millis(200);
 
 #[derive(Debug, Clone)]
 pub struct Timeouts {
@@ -131,6 +207,9 @@ pub struct ProcessMounter {
     state_dir: PathBuf,
     timeouts: Timeouts,
     mounts: Mutex<HashMap<PathBuf, Tracked>>,
+    /// One mount, unmount or replacement at a time per target.
+    ops: Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>,
+    replacements_total: AtomicU64,
 }
 
 fn key_for(target: &Path) -> String {
@@ -157,6 +236,21 @@ fn key_for(target: &Path) -> String {
     format!("{leaf}-{h:016x}")
 }
 
+/// Creates (or opens) a file only its owner may read: mode 0600, also when it existed
+/// with looser permissions from an older version.
+fn private_file(path: &Path, append: bool) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .append(append)
+        .truncate(!append)
+        .mode(0o600)
+        .open(path)?;
+    f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    Ok(f)
+}
+
 fn pid_alive(pid: u32) -> bool {
     use nix::sys::signal::kill;
     use nix::unistd::Pid;
@@ -181,29 +275,97 @@ fn is_our_mounter(pid: u32, target: &Path) -> bool {
     args.iter().any(|a| *a == b"mount") && args.contains(&target.as_os_str().as_encoded_bytes())
 }
 
-/// `Some(reason)` when the mount on `target` does not answer (ENOTCONN and friends).
-pub fn probe(target: &Path) -> Option<String> {
-    match nix::sys::statvfs::statvfs(target) {
-        Ok(_) => None,
-        Err(nix::errno::Errno::ENOTCONN) => Some(format!(
+/// statvfs that gives up after `timeout`: on a mount whose mounter died while we hold its
+/// descriptor, the call waits until a replacement answers. (The thread that waits ends
+/// when the answer comes.)
+pub fn statvfs_within(
+    target: &Path,
+    timeout: Duration,
+) -> Result<nix::sys::statvfs::Statvfs, String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let path = target.to_path_buf();
+    std::thread::Builder::new()
+        .name("s3csi-statvfs".into())
+        .spawn(move || {
+            let _ = tx.send(nix::sys::statvfs::statvfs(&path));
+        })
+        .map_err(|e| format!("cannot start a thread: {e}"))?;
+    match rx.recv_timeout(timeout) {
+        Ok(Ok(s)) => Ok(s),
+        Ok(Err(nix::errno::Errno::ENOTCONN)) => Err(format!(
             "{}: transport endpoint is not connected (the mounter is gone)",
             target.display()
         )),
-        Err(e) => Some(format!("{}: {e}", target.display())),
+        Ok(Err(e)) => Err(format!("{}: {e}", target.display())),
+        Err(_) => Err(format!(
+            "{}: the file system did not answer within {timeout:?}",
+            target.display()
+        )),
     }
+}
+
+/// `Some(reason)` when the mount on `target` does not answer (ENOTCONN and friends).
+pub fn probe(target: &Path) -> Option<String> {
+    statvfs_within(target, Duration::from_secs(5)).err()
+}
+
+/// The static credentials a running mounter was given (for its replacement), from its
+/// environment. None of these are ever written to disk.
+fn credentials_of(pid: u32) -> Vec<(&'static str, String)> {
+    const KEYS: [&str; 3] = [
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+    ];
+    let raw = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+    raw.split(|b| *b == 0)
+        .filter_map(|kv| std::str::from_utf8(kv).ok()?.split_once('='))
+        .filter_map(|(k, v)| {
+            KEYS.iter()
+                .find(|key| **key == k)
+                .map(|key| (*key, v.to_string()))
+        })
+        .collect()
+}
+
+/// Runs blocking socket work off the async workers.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    tokio::task::spawn_blocking(f)
+        .await
+        .expect("blocking task panicked")
+}
+
+/// A started mounter child.
+struct Child {
+    pid: u32,
+    exited: Arc<Mutex<Option<String>>>,
+    log: PathBuf,
+    offset: u64,
 }
 
 impl ProcessMounter {
     /// `bin` is the s3csi binary to run as `bin mount ...`.
     pub fn new(bin: PathBuf, state_dir: PathBuf, timeouts: Timeouts) -> std::io::Result<Self> {
-        for sub in ["mounts", "logs"] {
-            std::fs::create_dir_all(state_dir.join(sub))?;
+        {
+            use std::os::unix::fs::PermissionsExt;
+            // Records and mounter logs name volumes, buckets and paths: root's business only.
+            std::fs::create_dir_all(&state_dir)?;
+            std::fs::set_permissions(&state_dir, std::fs::Permissions::from_mode(0o700))?;
+            for sub in ["mounts", "logs", "handoff"] {
+                std::fs::create_dir_all(state_dir.join(sub))?;
+                std::fs::set_permissions(
+                    state_dir.join(sub),
+                    std::fs::Permissions::from_mode(0o700),
+                )?;
+            }
         }
         Ok(Self {
             bin,
             state_dir,
             timeouts,
             mounts: Mutex::new(HashMap::new()),
+            ops: Mutex::new(HashMap::new()),
+            replacements_total: AtomicU64::new(0),
         })
     }
 
@@ -213,6 +375,11 @@ impl ProcessMounter {
             .join(format!("{}.state", key_for(target)))
     }
 
+    /// The mounter's recovery directory (control socket, saved INIT, inode log).
+    pub fn handoff_dir(&self, target: &Path) -> PathBuf {
+        self.state_dir.join("handoff").join(key_for(target))
+    }
+
     /// The log file of the mounter on `target`.
     pub fn log_file(&self, target: &Path) -> PathBuf {
         self.state_dir
@@ -220,14 +387,52 @@ impl ProcessMounter {
             .join(format!("{}.log", key_for(target)))
     }
 
-    fn write_state(&self, target: &Path, volume_id: &str, pid: u32) {
-        let text = format!(
-            "volume_id={volume_id}\ntarget={}\npid={pid}\n",
-            target.display()
-        );
+    /// How many mounters this node service replaced, all volumes together.
+    pub fn replacements_total(&self) -> u64 {
+        self.replacements_total.load(Ordering::Relaxed)
+    }
+
+    fn op_lock(&self, target: &Path) -> Arc<tokio::sync::Mutex<()>> {
+        self.ops
+            .lock()
+            .unwrap()
+            .entry(target.to_path_buf())
+            .or_default()
+            .clone()
+    }
+
+    fn write_state(&self, target: &Path) {
+        let text = {
+            let mounts = self.mounts.lock().unwrap();
+            let Some(t) = mounts.get(target) else {
+                return;
+            };
+            let mut text = format!(
+                "volume_id={}\ntarget={}\npid={}\n",
+                t.volume_id,
+                target.display(),
+                t.pid
+            );
+            if let Some(dir) = &t.handoff_dir {
+                text.push_str(&format!(
+                    "handoff={}\nreplacements={}\n",
+                    dir.display(),
+                    t.replacements
+                ));
+            }
+            if let Some(req) = &t.request {
+                text.push_str(&format!("source={}\n", req.source));
+                for a in req.args.iter().filter(|a| !a.contains('\n')) {
+                    text.push_str(&format!("arg={a}\n"));
+                }
+            }
+            text
+        };
         let path = self.state_file(target);
         let tmp = path.with_extension("tmp");
-        let res = std::fs::write(&tmp, text).and_then(|_| std::fs::rename(&tmp, &path));
+        let res = private_file(&tmp, false)
+            .and_then(|mut f| std::io::Write::write_all(&mut f, text.as_bytes()))
+            .and_then(|_| std::fs::rename(&tmp, &path));
         if let Err(e) = res {
             tracing::warn!(error = %e, "cannot record the mount in the state directory");
         }
@@ -235,10 +440,13 @@ impl ProcessMounter {
 
     fn remove_state(&self, target: &Path) {
         let _ = std::fs::remove_file(self.state_file(target));
+        let _ = std::fs::remove_dir_all(self.handoff_dir(target));
     }
 
     /// Adopts the mounts an earlier node service left running (state files whose target is
-    /// still mounted); forgets the others. Returns how many were adopted.
+    /// still mounted); forgets the others. Mounts by descriptor give their descriptor back
+    /// over their control socket, so they can be replaced later. Returns how many were
+    /// adopted.
     pub fn recover(&self) -> usize {
         let Ok(dir) = std::fs::read_dir(self.state_dir.join("mounts")) else {
             return 0;
@@ -252,6 +460,11 @@ impl ProcessMounter {
             let text = std::fs::read_to_string(&path).unwrap_or_default();
             let fields: HashMap<&str, &str> =
                 text.lines().filter_map(|l| l.split_once('=')).collect();
+            let args: Vec<String> = text
+                .lines()
+                .filter_map(|l| l.strip_prefix("arg="))
+                .map(str::to_string)
+                .collect();
             let (Some(volume_id), Some(target), Some(pid)) = (
                 fields.get("volume_id"),
                 fields.get("target"),
@@ -262,21 +475,53 @@ impl ProcessMounter {
             };
             let target = PathBuf::from(target);
             let mounted = mountinfo::find(&target).is_some_and(|e| e.is_fuse());
-            let serving = mounted || (pid_alive(pid) && is_our_mounter(pid, &target));
+            let alive = pid_alive(pid) && is_our_mounter(pid, &target);
+            let serving = mounted || alive;
             if !serving {
                 tracing::info!(volume_id, target = %target.display(), "forgetting a mount that is gone");
                 let _ = std::fs::remove_file(&path);
+                let _ = std::fs::remove_dir_all(self.handoff_dir(&target));
                 continue;
             }
-            tracing::info!(volume_id, target = %target.display(), pid, "adopted mount");
-            self.mounts.lock().unwrap().insert(
-                target,
-                Tracked {
-                    volume_id: volume_id.to_string(),
-                    pid,
-                    exited: None,
-                },
+            let mut t = Tracked::new(volume_id.to_string(), pid, None);
+            if let Some(dir) = fields.get("handoff").map(PathBuf::from) {
+                t.replacements = fields
+                    .get("replacements")
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or(0);
+                if alive {
+                    match handoff::collect_fd(&dir, Duration::from_secs(5)) {
+                        Ok(fd) => t.fuse_fd = Some(Arc::new(fd)),
+                        Err(e) => tracing::warn!(volume_id, target = %target.display(), error = %e,
+                            "cannot collect the FUSE descriptor; this mounter cannot be replaced if it dies"),
+                    }
+                }
+                if let Some(source) = fields.get("source") {
+                    let env = credentials_of(pid);
+                    t.request = Some(MountRequest {
+                        volume_id: volume_id.to_string(),
+                        target: target.clone(),
+                        source: source.to_string(),
+                        args,
+                        scrub: env
+                            .iter()
+                            .filter(|(k, _)| *k != "AWS_ACCESS_KEY_ID")
+                            .map(|(_, v)| v.clone())
+                            .collect(),
+                        env,
+                        kernel: handoff::KernelMount::default(),
+                    });
+                }
+                t.handoff_dir = Some(dir);
+            }
+            tracing::info!(
+                volume_id,
+                target = %target.display(),
+                pid,
+                descriptor = t.fuse_fd.is_some(),
+                "adopted mount"
             );
+            self.mounts.lock().unwrap().insert(target, t);
             adopted += 1;
         }
         adopted
@@ -318,35 +563,37 @@ impl ProcessMounter {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
-}
 
-fn classify(message: &str) -> FailureKind {
-    let m = message.to_ascii_lowercase();
-    if m.contains("nosuchbucket") || (m.contains("bucket") && m.contains("does not exist")) {
-        FailureKind::NotFound
-    } else if m.contains("denied") || m.contains("forbidden") {
-        FailureKind::PermissionDenied
-    } else if m.contains("mount option") || m.contains("invalid bucket source") {
-        FailureKind::InvalidArgument
-    } else {
-        FailureKind::Other
+    async fn wait_exit(&self, pid: u32, deadline: Instant) -> bool {
+        while pid_alive(pid) {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        true
     }
-}
 
-#[async_trait]
-impl Mounter for ProcessMounter {
-    async fn mount(&self, req: MountRequest) -> Result<(), MountError> {
+    /// Starts `s3csi mount --foreground --handoff-dir DIR [--recover] ARGS SOURCE TARGET`.
+    fn spawn_child(
+        &self,
+        req: &MountRequest,
+        dir: &Path,
+        recover: bool,
+    ) -> Result<Child, MountError> {
         let log = self.log_file(&req.target);
-        let logf = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
+        let logf = private_file(&log, true)
             .map_err(|e| MountError::other(format!("cannot open {}: {e}", log.display())))?;
         let offset = logf.metadata().map(|m| m.len()).unwrap_or(0);
         let mut cmd = tokio::process::Command::new(&self.bin);
         cmd.arg("mount")
             .arg("--foreground")
-            .args(&req.args)
+            .arg("--handoff-dir")
+            .arg(dir);
+        if recover {
+            cmd.arg("--recover");
+        }
+        cmd.args(&req.args)
             .arg(&req.source)
             .arg(&req.target)
             .stdin(std::process::Stdio::null())
@@ -375,7 +622,7 @@ impl Mounter for ProcessMounter {
             .spawn()
             .map_err(|e| MountError::other(format!("cannot start {}: {e}", self.bin.display())))?;
         let pid = child.id().unwrap_or(0);
-        tracing::info!(pid, log = %log.display(), "started mounter");
+        tracing::info!(pid, recover, log = %log.display(), "started mounter");
         let exited: Arc<Mutex<Option<String>>> = Arc::new(Mutex::new(None));
         {
             let exited = exited.clone();
@@ -390,39 +637,47 @@ impl Mounter for ProcessMounter {
                 *exited.lock().unwrap() = Some(text);
             });
         }
-        self.mounts.lock().unwrap().insert(
-            req.target.clone(),
-            Tracked {
-                volume_id: req.volume_id.clone(),
-                pid,
-                exited: Some(exited.clone()),
-            },
-        );
-        let deadline = Instant::now() + self.timeouts.mount;
+        Ok(Child {
+            pid,
+            exited,
+            log,
+            offset,
+        })
+    }
+
+    /// Waits until the child listens on its control socket (it checked the bucket first).
+    async fn wait_listening(
+        &self,
+        child: &Child,
+        dir: &Path,
+        deadline: Instant,
+        scrub: &[String],
+    ) -> Result<(), MountError> {
         loop {
-            if mountinfo::find(&req.target).is_some_and(|e| e.is_fuse()) {
-                self.write_state(&req.target, &req.volume_id, pid);
+            let d = dir.to_path_buf();
+            let pong = blocking(move || -> std::io::Result<String> {
+                let s = handoff::connect(&d, Duration::from_secs(2))?;
+                handoff::send(&s, "PING", None)?;
+                Ok(handoff::recv(&s)?.0)
+            })
+            .await;
+            if pong.is_ok_and(|l| l == format!("OK pid={}", child.pid)) {
                 return Ok(());
             }
-            if exited.lock().unwrap().is_some() {
-                self.mounts.lock().unwrap().remove(&req.target);
-                let message = self.last_line(&log, offset, &req.scrub);
+            if child.exited.lock().unwrap().is_some() {
+                let message = self.last_line(&child.log, child.offset, scrub);
                 return Err(MountError {
                     kind: classify(&message),
                     message,
                 });
             }
             if Instant::now() >= deadline {
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(pid as i32),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
-                self.mounts.lock().unwrap().remove(&req.target);
-                let last = self.last_line(&log, offset, &req.scrub);
+                kill9(child.pid);
+                let last = self.last_line(&child.log, child.offset, scrub);
                 return Err(MountError {
                     kind: FailureKind::Timeout,
                     message: format!(
-                        "the mount did not appear within {:?}; last mounter message: {last}",
+                        "the mounter was not ready within {:?}; last mounter message: {last}",
                         self.timeouts.mount
                     ),
                 });
@@ -431,19 +686,304 @@ impl Mounter for ProcessMounter {
         }
     }
 
+    /// Hands `fd` to the (listening) child and waits until it serves.
+    async fn hand_over(
+        &self,
+        child: &Child,
+        dir: &Path,
+        fd: &Arc<OwnedFd>,
+        scrub: &[String],
+    ) -> Result<(), MountError> {
+        let d = dir.to_path_buf();
+        let f = fd.clone();
+        let timeout = self.timeouts.mount;
+        let res = blocking(move || handoff::serve_fd(&d, f.as_raw_fd(), timeout)).await;
+        res.map_err(|msg| {
+            // If it died, its own last words say more.
+            std::thread::sleep(Duration::from_millis(100));
+            let message = if child.exited.lock().unwrap().is_some() {
+                self.last_line(&child.log, child.offset, scrub)
+            } else {
+                msg
+            };
+            MountError {
+                kind: classify(&message),
+                message,
+            }
+        })
+    }
+
+    /// Starts the supervisor: replaces mounters that died while their mount is held.
+    pub fn start_supervisor(self: &Arc<Self>) {
+        let me = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(SUPERVISE_EVERY).await;
+                let Some(me) = me.upgrade() else { return };
+                let due: Vec<PathBuf> = {
+                    let now = Instant::now();
+                    me.mounts
+                        .lock()
+                        .unwrap()
+                        .iter()
+                        .filter(|(_, t)| {
+                            t.fuse_fd.is_some()
+                                && !t.stopping
+                                && t.replacing.is_none()
+                                && t.retry_at.is_none_or(|r| r <= now)
+                                && t.dead().is_some()
+                        })
+                        .map(|(p, _)| p.clone())
+                        .collect()
+                };
+                for target in due {
+                    me.replace(&target).await;
+                }
+            }
+        });
+    }
+
+    /// Starts a replacement for the dead mounter of `target` and hands it the descriptor.
+    async fn replace(&self, target: &Path) {
+        let op = self.op_lock(target);
+        let _op = op.lock().await;
+        let (volume_id, old_pid, reason, fd, req, dir, n) = {
+            let mut mounts = self.mounts.lock().unwrap();
+            let Some(t) = mounts.get_mut(target) else {
+                return;
+            };
+            let Some(reason) = t.dead() else { return };
+            let (Some(fd), Some(dir)) = (t.fuse_fd.clone(), t.handoff_dir.clone()) else {
+                return;
+            };
+            if t.stopping {
+                return;
+            }
+            let Some(req) = t.request.clone() else {
+                if t.retry_at.is_none() {
+                    tracing::error!(volume_id = t.volume_id, target = %target.display(), %reason,
+                        "the mounter died and its options are unknown; republish the volume to repair it");
+                }
+                t.retry_at = Some(Instant::now() + Duration::from_secs(3600));
+                return;
+            };
+            t.replacing = Some(reason.clone());
+            (
+                t.volume_id.clone(),
+                t.pid,
+                reason,
+                fd,
+                req,
+                dir,
+                t.replacements + 1,
+            )
+        };
+        let started = Instant::now();
+        tracing::warn!(
+            volume_id,
+            target = %target.display(),
+            old_pid,
+            %reason,
+            replacement = n,
+            "mounter died; starting a replacement with the same FUSE descriptor"
+        );
+        let result = async {
+            let child = self.spawn_child(&req, &dir, true)?;
+            let deadline = Instant::now() + self.timeouts.mount;
+            let outcome = async {
+                self.wait_listening(&child, &dir, deadline, &req.scrub)
+                    .await?;
+                self.hand_over(&child, &dir, &fd, &req.scrub).await
+            }
+            .await;
+            if outcome.is_err() {
+                kill9(child.pid);
+            }
+            outcome.map(|_| child)
+        }
+        .await;
+        let mut mounts = self.mounts.lock().unwrap();
+        let Some(t) = mounts.get_mut(target) else {
+            return;
+        };
+        t.replacing = None;
+        match result {
+            Ok(child) => {
+                let total = self.replacements_total.fetch_add(1, Ordering::Relaxed) + 1;
+                t.pid = child.pid;
+                t.exited = Some(child.exited);
+                t.replacements = n;
+                t.failures = 0;
+                t.retry_at = None;
+                t.last_replacement = Some(reason.clone());
+                drop(mounts);
+                self.write_state(target);
+                tracing::warn!(
+                    volume_id,
+                    target = %target.display(),
+                    pid = child.pid,
+                    replacement = n,
+                    replacements_total = total,
+                    took_ms = started.elapsed().as_millis() as u64,
+                    "replacement mounter serving"
+                );
+            }
+            Err(e) => {
+                t.failures += 1;
+                let wait = Duration::from_secs(1 << t.failures.min(5));
+                t.retry_at = Some(Instant::now() + wait);
+                tracing::error!(
+                    volume_id,
+                    target = %target.display(),
+                    error = %e,
+                    retry_in = ?wait,
+                    "replacement mounter failed"
+                );
+            }
+        }
+    }
+
+    /// Unmounts a mount by descriptor: SIGTERM (the mounter completes uploads and exits),
+    /// umount2, then closing our descriptor ends the FUSE connection.
+    async fn unmount_handoff(
+        &self,
+        target: &Path,
+        pid: u32,
+        exited: Option<Arc<Mutex<Option<String>>>>,
+    ) -> Result<(), MountError> {
+        use nix::mount::{umount2, MntFlags};
+        use nix::sys::signal::{kill, Signal};
+        use nix::unistd::Pid;
+        let deadline = Instant::now() + self.timeouts.unmount;
+        if pid > 0 && pid_alive(pid) && is_our_mounter(pid, target) {
+            let _ = kill(Pid::from_raw(pid as i32), Signal::SIGTERM);
+            if !self.wait_exit(pid, deadline).await {
+                tracing::warn!(pid, "mounter did not stop in time; killing it");
+                kill9(pid);
+            }
+        }
+        if mountinfo::find(target).is_some() {
+            if let Err(e) = umount2(target, MntFlags::empty()) {
+                tracing::warn!(error = %e, "unmount failed; waiting, then detaching lazily");
+                if !self.wait_gone(target, None, deadline).await {
+                    umount2(target, MntFlags::MNT_DETACH).map_err(|e| {
+                        MountError::other(format!("cannot unmount {}: {e}", target.display()))
+                    })?;
+                }
+            }
+        }
+        if let Some(exited) = exited {
+            let grace = Instant::now() + Duration::from_secs(5);
+            while exited.lock().unwrap().is_none() && Instant::now() < grace {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn kill9(pid: u32) {
+    if pid > 0 {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+}
+
+fn classify(message: &str) -> FailureKind {
+    let m = message.to_ascii_lowercase();
+    if m.contains("nosuchbucket") || (m.contains("bucket") && m.contains("does not exist")) {
+        FailureKind::NotFound
+    } else if m.contains("denied") || m.contains("forbidden") {
+        FailureKind::PermissionDenied
+    } else if m.contains("mount option") || m.contains("invalid bucket source") {
+        FailureKind::InvalidArgument
+    } else {
+        FailureKind::Other
+    }
+}
+
+#[async_trait]
+impl Mounter for ProcessMounter {
+    async fn mount(&self, req: MountRequest) -> Result<(), MountError> {
+        let op = self.op_lock(&req.target);
+        let _op = op.lock().await;
+        let dir = self.handoff_dir(&req.target);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| MountError::other(format!("cannot create {}: {e}", dir.display())))?;
+        let child = self.spawn_child(&req, &dir, false)?;
+        let mut tracked =
+            Tracked::new(req.volume_id.clone(), child.pid, Some(child.exited.clone()));
+        tracked.handoff_dir = Some(dir.clone());
+        tracked.stopping = true; // not replaceable until it serves
+        self.mounts
+            .lock()
+            .unwrap()
+            .insert(req.target.clone(), tracked);
+        let deadline = Instant::now() + self.timeouts.mount;
+        let result = async {
+            self.wait_listening(&child, &dir, deadline, &req.scrub)
+                .await?;
+            let fd = handoff::kernel_mount(&req.target, &req.kernel).map_err(|e| MountError {
+                kind: if e.raw_os_error() == Some(libc::EPERM) {
+                    FailureKind::PermissionDenied
+                } else {
+                    FailureKind::Other
+                },
+                message: format!("cannot mount on {}: {e}", req.target.display()),
+            })?;
+            let fd = Arc::new(fd);
+            if let Err(e) = self.hand_over(&child, &dir, &fd, &req.scrub).await {
+                let _ = nix::mount::umount2(&req.target, nix::mount::MntFlags::MNT_DETACH);
+                return Err(e);
+            }
+            Ok(fd)
+        }
+        .await;
+        match result {
+            Ok(fd) => {
+                if let Some(t) = self.mounts.lock().unwrap().get_mut(&req.target) {
+                    t.fuse_fd = Some(fd);
+                    t.request = Some(req.clone());
+                    t.stopping = false;
+                }
+                self.write_state(&req.target);
+                Ok(())
+            }
+            Err(e) => {
+                kill9(child.pid);
+                self.mounts.lock().unwrap().remove(&req.target);
+                let _ = std::fs::remove_dir_all(&dir);
+                Err(e)
+            }
+        }
+    }
+
     async fn unmount(&self, target: &Path) -> Result<(), MountError> {
         use nix::mount::{umount2, MntFlags};
         use nix::sys::signal::{kill, Signal};
         use nix::unistd::Pid;
-        let tracked = self
-            .mounts
-            .lock()
-            .unwrap()
-            .get(target)
-            .map(|t| (t.pid, t.exited.clone()));
+        let op = self.op_lock(target);
+        let _op = op.lock().await;
+        let tracked = {
+            let mut mounts = self.mounts.lock().unwrap();
+            mounts.get_mut(target).map(|t| {
+                t.stopping = true;
+                (t.pid, t.exited.clone(), t.handoff_dir.is_some())
+            })
+        };
+        if let Some((pid, exited, true)) = tracked.clone() {
+            self.unmount_handoff(target, pid, exited).await?;
+            // Dropping our descriptor closes the connection for good.
+            self.mounts.lock().unwrap().remove(target);
+            self.remove_state(target);
+            return Ok(());
+        }
         let pid = tracked
             .as_ref()
-            .map(|(p, _)| *p)
+            .map(|(p, _, _)| *p)
             .filter(|p| *p > 0 && pid_alive(*p) && is_our_mounter(*p, target));
         let deadline = Instant::now() + self.timeouts.unmount;
         if let Some(pid) = pid {
@@ -473,7 +1013,7 @@ impl Mounter for ProcessMounter {
                 let _ = kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
             }
         }
-        if let Some((_, Some(exited))) = tracked {
+        if let Some((_, Some(exited), _)) = tracked {
             // Our child: the reaper task collects it; give it a moment to do so.
             let grace = Instant::now() + Duration::from_secs(5);
             while exited.lock().unwrap().is_none() && Instant::now() < grace {
@@ -489,27 +1029,48 @@ impl Mounter for ProcessMounter {
         let mounted = mountinfo::find(target);
         let mounts = self.mounts.lock().unwrap();
         let Some(t) = mounts.get(target) else {
+            drop(mounts);
             return MountStatus {
                 problem: mounted.as_ref().and_then(|_| probe(target)),
                 mounted,
                 ..Default::default()
             };
         };
-        let exited = t.exited.as_ref().and_then(|e| e.lock().unwrap().clone());
-        let problem = if let Some(status) = exited {
-            Some(format!("the mounter process exited ({status})"))
-        } else if t.exited.is_none() && !pid_alive(t.pid) {
-            Some(format!("the mounter process {} is gone", t.pid))
+        let dead = t.dead();
+        let held = t.fuse_fd.is_some() && !t.stopping;
+        let mut recoverable = false;
+        let problem = if let Some(reason) = &t.replacing {
+            recoverable = true;
+            Some(format!("{reason}; a replacement mounter is starting"))
+        } else if let Some(reason) = dead {
+            if held && t.request.is_some() {
+                recoverable = true;
+                Some(format!("{reason}; replacing it"))
+            } else {
+                Some(reason)
+            }
         } else if mounted.is_none() {
             Some(format!("{} is no longer mounted", target.display()))
         } else {
-            probe(target)
+            None
         };
-        MountStatus {
+        let status = MountStatus {
             volume_id: Some(t.volume_id.clone()),
             pid: Some(t.pid),
             mounted,
             problem,
+            recoverable,
+            replacements: t.replacements,
+            last_replacement: t.last_replacement.clone(),
+        };
+        drop(mounts);
+        if status.problem.is_none() {
+            // Only now: a probe of a mount without a live mounter would wait.
+            return MountStatus {
+                problem: probe(target),
+                ..status
+            };
         }
+        status
     }
 }

@@ -16,10 +16,60 @@ pub struct Endpoint {
     pub force_path_style: bool,
 }
 
+/// Client-side time limits. The defaults suit real S3; tests shorten them through the
+/// environment (`S3CSI_CONNECT_TIMEOUT`, `S3CSI_READ_TIMEOUT`, `S3CSI_ATTEMPT_TIMEOUT`,
+/// durations like `2s` or `500ms`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timeouts {
+    /// Establishing a connection.
+    pub connect: Duration,
+    /// Waiting for the response to start, and (for downloads) for each further piece of
+    /// the body.
+    pub read: Duration,
+    /// One attempt of one request, until its response headers.
+    pub attempt: Duration,
+}
+
+/// Attempts per request (the first one and retries), SDK standard retry with backoff.
+pub const MAX_ATTEMPTS: u32 = 5;
+/// Extra attempts to finish a download whose body broke off after the SDK returned.
+const BODY_RETRIES: u32 = 4;
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Self {
+            connect: Duration::from_secs(5),
+            read: Duration::from_secs(30),
+            attempt: Duration::from_secs(120),
+        }
+    }
+}
+
+impl Timeouts {
+    /// The defaults, overridden by `S3CSI_*_TIMEOUT` variables where set and valid.
+    pub fn from_env() -> Self {
+        let mut t = Self::default();
+        for (var, slot) in [
+            ("S3CSI_CONNECT_TIMEOUT", &mut t.connect),
+            ("S3CSI_READ_TIMEOUT", &mut t.read),
+            ("S3CSI_ATTEMPT_TIMEOUT", &mut t.attempt),
+        ] {
+            if let Ok(v) = std::env::var(var) {
+                match crate::config::mount::parse_duration(var, &v) {
+                    Ok(d) if !d.is_zero() => *slot = d,
+                    _ => tracing::warn!(var, value = %v, "ignoring an invalid timeout"),
+                }
+            }
+        }
+        t
+    }
+}
+
 #[derive(Clone)]
 pub struct AwsClient {
     client: Client,
     bucket: String,
+    timeouts: Timeouts,
 }
 
 impl std::fmt::Debug for AwsClient {
@@ -49,12 +99,13 @@ impl AwsClient {
         if let Some(r) = region {
             loader = loader.region(aws_config::Region::new(r));
         }
+        let limits = Timeouts::from_env();
         let timeouts = aws_config::timeout::TimeoutConfig::builder()
-            .connect_timeout(Duration::from_secs(5))
-            .read_timeout(Duration::from_secs(30))
-            .operation_attempt_timeout(Duration::from_secs(120))
+            .connect_timeout(limits.connect)
+            .read_timeout(limits.read)
+            .operation_attempt_timeout(limits.attempt)
             .build();
-        let retry = aws_config::retry::RetryConfig::standard().with_max_attempts(5);
+        let retry = aws_config::retry::RetryConfig::standard().with_max_attempts(MAX_ATTEMPTS);
         loader = loader.timeout_config(timeouts).retry_config(retry);
         let shared = loader.load().await;
         let mut conf = aws_sdk_s3::config::Builder::from(&shared);
@@ -77,6 +128,7 @@ impl AwsClient {
         Self {
             client: Client::from_conf(conf.build()),
             bucket: bucket.to_string(),
+            timeouts: limits,
         }
     }
 
@@ -106,6 +158,7 @@ impl AwsClient {
         Self {
             client: Client::from_conf(conf),
             bucket: base.bucket,
+            timeouts: base.timeouts,
         }
     }
 
@@ -268,21 +321,46 @@ impl ObjectClient for AwsClient {
         if end <= start {
             return Ok(Bytes::new());
         }
-        let out = self
-            .client
-            .get_object()
-            .bucket(&self.bucket)
-            .key(key)
-            .range(format!("bytes={}-{}", start, end - 1))
-            .send()
-            .await
-            .map_err(map_err)?;
-        let body = out
-            .body
-            .collect()
-            .await
-            .map_err(|e| S3Error::Other(format!("reading object body: {e}")))?;
-        Ok(body.into_bytes())
+        // The SDK retries a GET until its response headers arrive; the body streams after
+        // that, outside its retry loop. A body that breaks off (connection reset) or stalls
+        // for longer than the read timeout is resumed here with a GET of the rest.
+        let mut buf = bytes::BytesMut::with_capacity((end - start).min(64 << 20) as usize);
+        let mut body_failures = 0;
+        loop {
+            let from = start + buf.len() as u64;
+            let out = self
+                .client
+                .get_object()
+                .bucket(&self.bucket)
+                .key(key)
+                .range(format!("bytes={}-{}", from, end - 1))
+                .send()
+                .await
+                .map_err(map_err)?;
+            let mut body = out.body;
+            let broke = loop {
+                match tokio::time::timeout(self.timeouts.read, body.next()).await {
+                    Ok(Some(Ok(piece))) => buf.extend_from_slice(&piece),
+                    Ok(None) => break None,
+                    Ok(Some(Err(e))) => break Some(format!("reading object body: {e}")),
+                    Err(_) => {
+                        break Some(format!("object body stalled for {:?}", self.timeouts.read))
+                    }
+                }
+            };
+            let Some(why) = broke else {
+                return Ok(buf.freeze());
+            };
+            if buf.len() as u64 >= end - start {
+                return Ok(buf.freeze());
+            }
+            body_failures += 1;
+            if body_failures > BODY_RETRIES {
+                return Err(S3Error::Other(why));
+            }
+            tracing::debug!(key, got = buf.len(), error = %why, "download broke off; resuming");
+            tokio::time::sleep(Duration::from_millis(100 << body_failures)).await;
+        }
     }
 
     async fn put_object(&self, key: &str, body: Bytes) -> S3Result<ObjectMeta> {
@@ -386,6 +464,25 @@ impl ObjectClient for AwsClient {
                         "CompleteMultipartUpload answer unreadable and the object is not the upload".into(),
                     ));
                 }
+                return Ok(meta);
+            }
+            // A retried Complete whose first attempt did complete (only the answer was
+            // lost) finds the upload gone. If the object now is a multipart object of
+            // exactly our part count, that first attempt was ours: report success rather
+            // than an EIO for data that is in fact durable.
+            Err(e) if e.code() == Some("NoSuchUpload") => {
+                let meta = self.head_object(key).await.map_err(|_| map_err(e))?;
+                let suffix = format!("-{part_count}\"");
+                if !meta.etag.as_deref().is_some_and(|t| t.ends_with(&suffix)) {
+                    return Err(S3Error::Other(
+                        "CompleteMultipartUpload: the upload is gone and the object is not it"
+                            .into(),
+                    ));
+                }
+                tracing::info!(
+                    key,
+                    "CompleteMultipartUpload answer was lost; the object is complete"
+                );
                 return Ok(meta);
             }
             Err(e) => return Err(map_err(e)),

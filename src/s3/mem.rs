@@ -10,6 +10,8 @@ pub struct MemClient {
     objects: Mutex<BTreeMap<String, (Bytes, SystemTime)>>,
     uploads: Mutex<HashMap<String, BTreeMap<i32, Bytes>>>,
     next_upload: Mutex<u64>,
+    /// HEAD and LIST requests answered, so tests can count round trips.
+    metadata_requests: std::sync::atomic::AtomicU64,
 }
 
 impl MemClient {
@@ -28,6 +30,10 @@ impl MemClient {
     pub fn keys(&self) -> Vec<String> {
         self.objects.lock().unwrap().keys().cloned().collect()
     }
+    pub fn metadata_requests(&self) -> u64 {
+        self.metadata_requests
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
     pub fn open_uploads(&self) -> usize {
         self.uploads.lock().unwrap().len()
     }
@@ -43,6 +49,8 @@ impl MemClient {
 #[async_trait]
 impl ObjectClient for MemClient {
     async fn head_object(&self, key: &str) -> S3Result<ObjectMeta> {
+        self.metadata_requests
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let objs = self.objects.lock().unwrap();
         objs.get(key)
             .map(|(b, t)| Self::meta(b, *t))
@@ -50,6 +58,8 @@ impl ObjectClient for MemClient {
     }
 
     async fn list(&self, req: ListRequest<'_>) -> S3Result<ListPage> {
+        self.metadata_requests
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let objs = self.objects.lock().unwrap();
         let mut page = ListPage::default();
         let mut last_returned: Option<String> = None;

@@ -2,6 +2,8 @@
 //! binary, plus helpers to create buckets and run real `s3csi mount` processes.
 #![allow(dead_code)]
 
+pub mod fault_proxy;
+
 use s3csi::s3::aws::{AwsClient, Endpoint};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -162,6 +164,16 @@ impl Mount {
     }
 
     pub fn try_start(bucket: &str, extra: &[&str]) -> Result<Mount, String> {
+        Self::try_start_with(&s3().endpoint, bucket, extra, &[])
+    }
+
+    /// A mount talking to `endpoint` (e.g. a fault proxy), with extra environment.
+    pub fn try_start_with(
+        endpoint: &str,
+        bucket: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Mount, String> {
         set_test_env();
         let dir = scratch_dir("mnt");
         let log = dir.with_extension("log");
@@ -169,11 +181,12 @@ impl Mount {
         let mut cmd = Command::new(s3csi_bin());
         cmd.arg("mount")
             .arg("--foreground")
-            .args(["--endpoint-url", &s3().endpoint, "--force-path-style"])
+            .args(["--endpoint-url", endpoint, "--force-path-style"])
             .args(["--region", "us-east-1"])
             .args(extra)
             .arg(bucket)
             .arg(&dir)
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(logf);
         let mut child = cmd.spawn().map_err(|e| e.to_string())?;
@@ -234,4 +247,157 @@ impl Drop for Mount {
         self.stop();
         let _ = std::fs::remove_dir(&self.dir);
     }
+}
+
+/// A small seeded PRNG (splitmix64) for randomized tests: the seed is printed, so a
+/// failure can be replayed with `S3CSI_SEED=N`.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed)
+    }
+
+    /// `S3CSI_SEED` if set, else `default`; printed either way.
+    pub fn from_env(test: &str, default: u64) -> Rng {
+        let seed = std::env::var("S3CSI_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(default);
+        eprintln!("{test}: seed {seed} (replay with S3CSI_SEED={seed})");
+        Rng(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (n > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n.max(1)
+    }
+
+    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.below(hi - lo + 1)
+    }
+
+    pub fn chance(&mut self, p: f64) -> bool {
+        ((self.next_u64() >> 11) as f64 / (1u64 << 53) as f64) < p
+    }
+
+    pub fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
+        &items[self.below(items.len() as u64) as usize]
+    }
+
+    pub fn bytes(&mut self, len: usize) -> Vec<u8> {
+        let mut out = Vec::with_capacity(len + 8);
+        while out.len() < len {
+            out.extend_from_slice(&self.next_u64().to_le_bytes());
+        }
+        out.truncate(len);
+        out
+    }
+}
+
+/// Whether the long variants of randomized tests run (`S3CSI_FULL=1`).
+pub fn full_run() -> bool {
+    std::env::var("S3CSI_FULL").is_ok_and(|v| v != "0" && !v.is_empty())
+}
+
+/// close(2) with its result: `File`'s drop ignores errors, and a FUSE file system reports
+/// upload failures exactly there.
+pub fn close_checked(f: std::fs::File) -> std::io::Result<()> {
+    use std::os::fd::IntoRawFd;
+    let fd = f.into_raw_fd();
+    if unsafe { libc::close(fd) } == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
+/// The whole object, straight from the S3 server (not through any proxy), or None.
+pub fn s3_get(bucket: &str, key: &str) -> Option<Vec<u8>> {
+    use s3csi::s3::ObjectClient;
+    let c = client(bucket);
+    let meta = runtime().block_on(c.head_object(key)).ok()?;
+    Some(
+        runtime()
+            .block_on(c.get_range(key, 0, meta.size))
+            .unwrap()
+            .to_vec(),
+    )
+}
+
+/// Every key in the bucket under `prefix`, straight from the S3 server.
+pub fn s3_keys(bucket: &str, prefix: &str) -> Vec<String> {
+    use s3csi::s3::{ListRequest, ObjectClient};
+    let c = client(bucket);
+    let mut out = Vec::new();
+    let mut token: Option<String> = None;
+    loop {
+        let page = runtime()
+            .block_on(c.list(ListRequest {
+                prefix,
+                delimiter: None,
+                continuation: token.as_deref(),
+                max_keys: 1000,
+            }))
+            .unwrap();
+        out.extend(page.objects.into_iter().map(|o| o.key));
+        token = page.next_token;
+        if token.is_none() {
+            return out;
+        }
+    }
+}
+
+/// Multipart uploads still in progress in `bucket` (key, upload id): what would go on
+/// billing. Uses aws-sdk-s3 directly: the file system never lists uploads.
+pub fn open_multipart_uploads(bucket: &str) -> Vec<(String, String)> {
+    set_test_env();
+    runtime().block_on(async {
+        let shared = aws_config::defaults(aws_config::BehaviorVersion::latest())
+            .region(aws_config::Region::new("us-east-1"))
+            .load()
+            .await;
+        let conf = aws_sdk_s3::config::Builder::from(&shared)
+            .endpoint_url(&s3().endpoint)
+            .force_path_style(true)
+            .build();
+        let c = aws_sdk_s3::Client::from_conf(conf);
+        let out = c
+            .list_multipart_uploads()
+            .bucket(bucket)
+            .send()
+            .await
+            .expect("ListMultipartUploads");
+        out.uploads()
+            .iter()
+            .map(|u| {
+                (
+                    u.key().unwrap_or_default().to_string(),
+                    u.upload_id().unwrap_or_default().to_string(),
+                )
+            })
+            .collect()
+    })
+}
+
+/// Peak resident memory (VmHWM) and current (VmRSS) of a process, in KiB.
+pub fn memory_kib(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    (field("VmHWM:"), field("VmRSS:"))
 }

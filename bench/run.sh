@@ -1,0 +1,298 @@
+#!/usr/bin/env bash
+# s3csi vs s3fs vs rclone mount vs raw S3, through injected network latency.
+#
+#   bench/run.sh [--quick] [--full] [--rtt MS] [--runs N] [--only "s3csi s3fs rclone"]
+#                [--no-build] [--keep]
+#
+# Starts moto (bench/moto_server.py) on a fresh loopback port, one latency proxy
+# (`s3bench proxy`, RTT/2 each way plus one RTT per new connection) per client in front of
+# it, one bucket per client, and runs the workloads of issue 5 on fresh mounts, N times.
+# Prints a Markdown table of medians and writes it to bench/results/latest.md.
+#   --quick   small sizes, 1 run (a few minutes)
+#   --full    1 GiB objects instead of 256 MiB (moto needs ~35 s per GiB uploaded)
+#   --rtt MS  round-trip time injected by the proxy (default 10; 0 = proxy without delay)
+#   --runs N  runs of s3csi and raw S3 (default 3; medians are reported)
+#   --peer-runs N  runs of s3fs and rclone (default 1: they are slow, ~8 and ~5 min a run)
+#   --only L  which mounts to run (default all three; missing peers are skipped anyway)
+#   --keep    keep the work directory (logs, moto request log, raw results)
+# Needs root (FUSE), fuse3, python3 with moto[server] and waitress (pip install
+# 'moto[server]' waitress); s3fs and rclone are optional (apt-get install s3fs rclone).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+QUICK=0 FULL=0 RTT=10 RUNS="" PEER_RUNS="" ONLY="s3csi s3fs rclone" BUILD=1 KEEP=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) QUICK=1 ;;
+    --full) FULL=1 ;;
+    --rtt) RTT=$2; shift ;;
+    --runs) RUNS=$2; shift ;;
+    --peer-runs) PEER_RUNS=$2; shift ;;
+    --only) ONLY=$2; shift ;;
+    --no-build) BUILD=0 ;;
+    --keep) KEEP=1 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+if [ "$QUICK" = 1 ]; then
+  BIG=64MiB TOUCH_N=100 DIRS=10 FILES=100 WU_N=100 MD_N=100 RUNS=${RUNS:-1}
+else
+  BIG=256MiB TOUCH_N=500 DIRS=100 FILES=100 WU_N=1000 MD_N=500 RUNS=${RUNS:-3}
+fi
+[ "$FULL" = 1 ] && BIG=1GiB
+PEER_RUNS=${PEER_RUNS:-1}
+[ "$PEER_RUNS" -gt "$RUNS" ] && PEER_RUNS=$RUNS
+BIG_BYTES=$(python3 -c "import re;m=re.fullmatch(r'(\d+)([KMG]iB)','$BIG');print(int(m[1])<<{'KiB':10,'MiB':20,'GiB':30}[m[2]])")
+TMO=${BENCH_TIMEOUT:-900}   # per workload, seconds
+DELAY_MS=$((RTT / 2))
+
+[ "$(id -u)" = 0 ] || echo "warning: not root; FUSE mounts may fail" >&2
+command -v fusermount3 >/dev/null || { echo "fuse3 (fusermount3) is required" >&2; exit 1; }
+python3 -c 'import moto.server' 2>/dev/null || { echo "pip install 'moto[server]' waitress is required" >&2; exit 1; }
+python3 -c 'import waitress' 2>/dev/null || echo "warning: no waitress (pip install waitress): moto will close every connection" >&2
+
+if [ "$BUILD" = 1 ]; then
+  cargo build --release --bins -q || exit 1
+fi
+WORK=$(mktemp -d /tmp/s3bench.XXXXXX)
+# private copies: a rebuild during the run must not swap the binaries under it
+cp target/release/s3csi target/release/s3bench "$WORK/" || exit 1
+S3CSI=$WORK/s3csi
+BENCH=$WORK/s3bench
+RES=$WORK/results.tsv
+: >"$RES"
+NOTES=$WORK/notes.txt
+: >"$NOTES"
+export AWS_ACCESS_KEY_ID=bench AWS_SECRET_ACCESS_KEY=bench AWS_REGION=us-east-1 RUST_BACKTRACE=0
+unset AWS_PROFILE AWS_SESSION_TOKEN
+
+PIDS=()
+MOUNTED=()
+cleanup() {
+  for m in "${MOUNTED[@]}"; do fusermount3 -u "$m" 2>/dev/null || umount -l "$m" 2>/dev/null; done
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done
+  wait 2>/dev/null
+  if [ "$KEEP" = 1 ]; then echo "work directory kept: $WORK"; else rm -rf "$WORK"; fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0));print(s.getsockname()[1])'; }
+log() { echo "[$(date +%T)] $*" >&2; }
+now() { date +%s.%N; }
+
+# ---------------------------------------------------------------- S3 server and proxies
+MPORT=$(free_port)
+python3 bench/moto_server.py -H 127.0.0.1 -p "$MPORT" >"$WORK/moto.log" 2>&1 &
+PIDS+=($!)
+DIRECT=http://127.0.0.1:$MPORT
+for _ in $(seq 100); do curl -s -o /dev/null "$DIRECT" && break; sleep 0.2; done
+curl -s -o /dev/null "$DIRECT" || { echo "moto did not start" >&2; exit 1; }
+
+CLIENTS="raw"
+for fs in $ONLY; do
+  case $fs in
+    s3csi) CLIENTS="$CLIENTS s3csi" ;;
+    s3fs|rclone)
+      if command -v "$fs" >/dev/null; then CLIENTS="$CLIENTS $fs"
+      else echo "$fs: not installed, skipped (apt-get install $fs)" >>"$NOTES"; fi ;;
+    *) echo "unknown mount $fs" >&2; exit 2 ;;
+  esac
+done
+declare -A PPORT
+for c in $CLIENTS; do
+  PPORT[$c]=$(free_port)
+  "$BENCH" proxy --listen "127.0.0.1:${PPORT[$c]}" --upstream "127.0.0.1:$MPORT" \
+    --delay-ms "$DELAY_MS" >"$WORK/proxy-$c.log" 2>&1 &
+  PIDS+=($!)
+done
+sleep 0.5
+bucket() { echo "bench-$1"; }
+
+log "moto on $DIRECT, RTT ${RTT} ms, clients: $CLIENTS, big object $BIG, runs $RUNS, work dir $WORK"
+for c in $CLIENTS; do
+  curl -sf -X PUT "$DIRECT/$(bucket "$c")" >/dev/null || { echo "cannot create bucket" >&2; exit 1; }
+  log "setup $c: uploading big.bin ($BIG)"
+  "$BENCH" raw-write --endpoint "$DIRECT" --bucket "$(bucket "$c")" --key big.bin --size "$BIG" >/dev/null || exit 1
+  if [ "$c" != raw ]; then
+    log "setup $c: creating $((DIRS * FILES)) objects in $DIRS directories"
+    "$BENCH" populate --endpoint "$DIRECT" --bucket "$(bucket "$c")" --prefix tree \
+      --dirs "$DIRS" --files "$FILES" >/dev/null || exit 1
+  fi
+done
+
+# ---------------------------------------------------------------- request accounting
+# moto logs one line per request; each client has its own bucket and its own proxy, so the
+# requests and new connections of one workload are the lines added while it ran.
+MARK_M=0 MARK_P=0
+mark() { MARK_M=$(wc -l <"$WORK/moto.log"); MARK_P=$(wc -l <"$WORK/proxy-$1.log"); }
+# prints: total breakdown connections
+count() {
+  local c=$1 b
+  b=$(bucket "$c")
+  # wait until the server is quiet (requests a file system issues after close land here)
+  local a b2 i
+  for i in $(seq 60); do
+    a=$(wc -l <"$WORK/moto.log"); sleep 0.5; b2=$(wc -l <"$WORK/moto.log")
+    [ "$a" = "$b2" ] && [ "$i" -gt 1 ] && break
+  done
+  tail -n +"$((MARK_M + 1))" "$WORK/moto.log" | awk -v b="/$b" '
+    match($0, /"[A-Z]+ [^ ]+ HTTP/) {
+      split(substr($0, RSTART + 1, RLENGTH - 1), r, " "); m = r[1]; p = r[2]
+      if (index(p, b) != 1) next
+      rest = substr(p, length(b) + 1)
+      if (m == "GET" && (rest == "" || rest ~ /^\/?\?/)) m = "LIST"
+      else if (m == "POST" && rest ~ /\?delete/) m = "DELETEMULTI"
+      n[m]++; t++
+    }
+    END { s = ""; for (k in n) s = s k ":" n[k] " "; printf "%d\t%s", t, (s == "" ? "-" : s) }'
+  printf '\t%d' $(($(wc -l <"$WORK/proxy-$c.log") - MARK_P))
+}
+# record FS WORKLOAD RUN VALUE [requests]
+record() { printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "${5:-}" >>"$RES"; }
+field() { sed -n "s/.*[ ]$1=\([^ ]*\).*/\1/p" | tail -1; }
+
+run_timed() { # FS NAME RUN FIELD CMD... : runs CMD, records FIELD of its RESULT line
+  local fs=$1 name=$2 run=$3 f=$4 out v
+  shift 4
+  mark "$fs"
+  out=$(timeout "$TMO" "$@" 2>"$WORK/err-$fs-$name-$run.txt")
+  local rc=$?
+  local req
+  req=$(count "$fs")
+  if [ $rc -ne 0 ]; then
+    v=$([ $rc = 124 ] && echo timeout || echo error)
+    echo "$fs $name run $run: $v ($(head -c 300 "$WORK/err-$fs-$name-$run.txt" | tr '\n' ' '))" >>"$NOTES"
+  else
+    v=$(echo "$out" | field "$f")
+  fi
+  record "$fs" "$name" "$run" "$v" "$req"
+  log "  $fs $name: $v  [requests: $req]"
+}
+
+# ---------------------------------------------------------------- mounts
+MNT=""
+FSPID=""
+mount_fs() { # FS RUN
+  local fs=$1 run=$2 b p
+  b=$(bucket "$fs")
+  p=${PPORT[$fs]}
+  MNT=$WORK/mnt-$fs
+  mkdir -p "$MNT"
+  case $fs in
+    s3csi)
+      "$S3CSI" mount --foreground --endpoint-url "http://127.0.0.1:$p" --force-path-style \
+        --log-file "$WORK/s3csi-$run.log" "$b" "$MNT" >>"$WORK/s3csi-$run.log" 2>&1 &
+      ;;
+    s3fs)
+      printf '%s:%s\n' "$AWS_ACCESS_KEY_ID" "$AWS_SECRET_ACCESS_KEY" >"$WORK/passwd-s3fs"
+      chmod 600 "$WORK/passwd-s3fs"
+      s3fs "$b" "$MNT" -f -o "url=http://127.0.0.1:$p,use_path_request_style,passwd_file=$WORK/passwd-s3fs" \
+        >"$WORK/s3fs-$run.log" 2>&1 &
+      ;;
+    rclone)
+      : >"$WORK/rclone.conf"
+      env -u AWS_CA_BUNDLE RCLONE_CONFIG_BENCH_TYPE=s3 RCLONE_CONFIG_BENCH_PROVIDER=Other \
+        RCLONE_CONFIG_BENCH_ACCESS_KEY_ID="$AWS_ACCESS_KEY_ID" \
+        RCLONE_CONFIG_BENCH_SECRET_ACCESS_KEY="$AWS_SECRET_ACCESS_KEY" \
+        RCLONE_CONFIG_BENCH_ENDPOINT="http://127.0.0.1:$p" RCLONE_CONFIG_BENCH_REGION=us-east-1 \
+        RCLONE_CONFIG_BENCH_FORCE_PATH_STYLE=true \
+        rclone mount "bench:$b" "$MNT" --config "$WORK/rclone.conf" --vfs-cache-mode off \
+        >"$WORK/rclone-$run.log" 2>&1 &
+      ;;
+  esac
+  FSPID=$!
+  for _ in $(seq 150); do
+    mountpoint -q "$MNT" && break
+    kill -0 "$FSPID" 2>/dev/null || break
+    sleep 0.2
+  done
+  if ! mountpoint -q "$MNT"; then
+    echo "$fs: mount failed in run $run (see logs)" >>"$NOTES"
+    kill "$FSPID" 2>/dev/null
+    return 1
+  fi
+  MOUNTED+=("$MNT")
+}
+umount_fs() {
+  fusermount3 -u "$MNT" 2>/dev/null || umount "$MNT" 2>/dev/null || umount -l "$MNT"
+  for _ in $(seq 300); do kill -0 "$FSPID" 2>/dev/null || break; sleep 0.2; done
+  kill "$FSPID" 2>/dev/null
+  wait "$FSPID" 2>/dev/null
+  MOUNTED=()
+}
+
+bench_mount() { # FS RUN
+  local fs=$1 run=$2 t0 t1 out rc req size hwm
+  mount_fs "$fs" "$run" || return
+  log "run $run: $fs mounted (pid $FSPID)"
+  # 1. sequential read; peak RSS of the file-system process (read is its first workload)
+  run_timed "$fs" read "$run" mibps "$BENCH" fs seq-read "$MNT/big.bin"
+  hwm=$(awk '/VmHWM/ {print $2}' "/proc/$FSPID/status" 2>/dev/null)
+  record "$fs" rss "$run" "$([ -n "$hwm" ] && echo $((hwm / 1024)) || echo n/a)"
+  # 2. sequential write, then the size as S3 reports it
+  run_timed "$fs" write "$run" mibps "$BENCH" fs seq-write "$MNT/write-$run.bin" --size "$BIG"
+  size=$("$BENCH" head --endpoint "$DIRECT" --bucket "$(bucket "$fs")" --key "write-$run.bin" 2>/dev/null | field size)
+  if [ "$size" != "$BIG_BYTES" ]; then
+    echo "$fs run $run: written file has size '${size:-missing}' in S3, expected $BIG_BYTES" >>"$NOTES"
+    awk -F'\t' -v OFS='\t' -v n="$(wc -l <"$RES")" 'NR == n { $4 = "FAIL" } 1' "$RES" >"$RES.tmp" && mv "$RES.tmp" "$RES"
+  fi
+  # 3. touch
+  mkdir -p "$MNT/touch-$run"
+  run_timed "$fs" touch "$run" secs "$BENCH" fs touch "$MNT/touch-$run" --n "$TOUCH_N"
+  # 4. ls -laR over the tree created through the S3 API
+  mark "$fs"
+  t0=$(now)
+  out=$(timeout "$TMO" ls -laR "$MNT/tree" 2>"$WORK/err-$fs-ls-$run.txt" | grep -c '^-')
+  rc=$?
+  t1=$(now)
+  req=$(count "$fs")
+  if [ "$out" != "$((DIRS * FILES))" ]; then
+    echo "$fs run $run: ls -laR listed ${out:-0} files, expected $((DIRS * FILES))" >>"$NOTES"
+    record "$fs" ls "$run" "$([ "$rc" = 124 ] && echo timeout || echo error)" "$req"
+  else
+    record "$fs" ls "$run" "$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f", b - a }')" "$req"
+  fi
+  log "  $fs ls: $(tail -1 "$RES" | cut -f4)  [requests: $req]"
+  # 5. small write + unlink
+  mkdir -p "$MNT/wu-$run"
+  run_timed "$fs" write_unlink "$run" secs "$BENCH" fs write-unlink "$MNT/wu-$run" --n "$WU_N"
+  # 6. mdtest-like create / stat / remove, one phase at a time so each is counted
+  mkdir -p "$MNT/md-$run"
+  for ph in create stat remove; do
+    run_timed "$fs" "md_$ph" "$run" "${ph}_ops" "$BENCH" fs mdtest "$MNT/md-$run" --n "$MD_N" --phase "$ph"
+  done
+  umount_fs
+}
+
+bench_raw() { # RUN
+  local run=$1 ep="http://127.0.0.1:${PPORT[raw]}"
+  run_timed raw read "$run" mibps "$BENCH" raw-read --endpoint "$ep" --bucket "$(bucket raw)" --key big.bin
+  run_timed raw write "$run" mibps "$BENCH" raw-write --endpoint "$ep" --bucket "$(bucket raw)" \
+    --key "write-$run.bin" --size "$BIG"
+}
+
+T_START=$(date +%s)
+for run in $(seq "$RUNS"); do
+  for c in $CLIENTS; do
+    case $c in
+      raw) bench_raw "$run" ;;
+      s3csi) bench_mount "$c" "$run" ;;
+      *) [ "$run" -le "$PEER_RUNS" ] && bench_mount "$c" "$run" ;;
+    esac
+  done
+done
+ELAPSED=$(($(date +%s) - T_START))
+
+mkdir -p bench/results
+python3 bench/report.py "$RES" "$NOTES" \
+  --rtt "$RTT" --big "$BIG" --touch "$TOUCH_N" --objects "$((DIRS * FILES))" --dirs "$DIRS" \
+  --wu "$WU_N" --md "$MD_N" --runs "$RUNS" --peer-runs "$PEER_RUNS" --elapsed "$ELAPSED" \
+  --versions "s3csi $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null)$(git -C "$ROOT" diff --quiet 2>/dev/null || echo '+dirty'); $(s3fs --version 2>/dev/null | head -1 | sed 's/ (commit.*//'); $(rclone version 2>/dev/null | head -1); moto $(python3 -c 'import moto;print(moto.__version__)')" \
+  >bench/results/latest.md
+cat bench/results/latest.md
+cp "$RES" bench/results/latest.tsv

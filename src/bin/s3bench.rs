@@ -1,0 +1,549 @@
+//! Benchmark tools for `bench/run.sh`: a latency-injecting TCP proxy, a raw S3 client
+//! (parallel ranged GETs / parallel multipart PUT over s3csi's own `AwsClient`), a bucket
+//! populator and the file-system workloads run inside a mount. Every measuring command
+//! prints one `RESULT key=value ...` line on stdout.
+
+use anyhow::{bail, Context, Result};
+use bytes::{Bytes, BytesMut};
+use clap::{Parser, Subcommand};
+use futures::{StreamExt, TryStreamExt};
+use s3csi::s3::aws::{AwsClient, Endpoint};
+use s3csi::s3::ObjectClient;
+use std::io::{Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+#[derive(Parser)]
+#[command(
+    name = "s3bench",
+    about = "Benchmark tools for s3csi (see bench/run.sh)"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(clap::Args, Clone)]
+struct S3Args {
+    /// S3 endpoint, e.g. http://127.0.0.1:9000 (path-style addressing is used)
+    #[arg(long)]
+    endpoint: String,
+    #[arg(long)]
+    bucket: String,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// TCP proxy that delays every chunk by --delay-ms in each direction (pipelined, no
+    /// throughput cap) and adds one round trip to every new connection (a TCP handshake).
+    Proxy {
+        #[arg(long)]
+        listen: String,
+        #[arg(long)]
+        upstream: String,
+        #[arg(long, default_value_t = 5)]
+        delay_ms: u64,
+    },
+    /// Read one object with parallel ranged GETs (consumed in order, like a sequential reader).
+    RawRead {
+        #[command(flatten)]
+        s3: S3Args,
+        #[arg(long)]
+        key: String,
+        #[arg(long, default_value = "8MiB", value_parser = parse_size)]
+        part: u64,
+        #[arg(long, default_value_t = 16)]
+        concurrency: usize,
+    },
+    /// Write one object with a parallel multipart upload (PutObject below 5 MiB).
+    RawWrite {
+        #[command(flatten)]
+        s3: S3Args,
+        #[arg(long)]
+        key: String,
+        #[arg(long, value_parser = parse_size)]
+        size: u64,
+        #[arg(long, default_value = "8MiB", value_parser = parse_size)]
+        part: u64,
+        #[arg(long, default_value_t = 16)]
+        concurrency: usize,
+    },
+    /// Print an object's size (HeadObject).
+    Head {
+        #[command(flatten)]
+        s3: S3Args,
+        #[arg(long)]
+        key: String,
+    },
+    /// Create PREFIX/dNNN/fNNNN objects through the S3 API.
+    Populate {
+        #[command(flatten)]
+        s3: S3Args,
+        #[arg(long, default_value = "tree")]
+        prefix: String,
+        #[arg(long, default_value_t = 100)]
+        dirs: usize,
+        #[arg(long, default_value_t = 100)]
+        files: usize,
+        #[arg(long, default_value_t = 64)]
+        size: usize,
+        #[arg(long, default_value_t = 32)]
+        concurrency: usize,
+    },
+    /// File-system workloads, run inside a mount.
+    Fs {
+        #[command(subcommand)]
+        op: FsOp,
+    },
+}
+
+#[derive(Subcommand)]
+enum FsOp {
+    /// Read a file sequentially to the end.
+    SeqRead {
+        path: PathBuf,
+        #[arg(long, default_value = "1MiB", value_parser = parse_size)]
+        bs: u64,
+    },
+    /// Write a new file sequentially, then close it (durable at close on every mount tested).
+    SeqWrite {
+        path: PathBuf,
+        #[arg(long, value_parser = parse_size)]
+        size: u64,
+        #[arg(long, default_value = "1MiB", value_parser = parse_size)]
+        bs: u64,
+    },
+    /// N x touch (open O_CREAT, futimens, close), as coreutils touch does.
+    Touch {
+        dir: PathBuf,
+        #[arg(long, default_value_t = 500)]
+        n: usize,
+    },
+    /// N x (create + write SIZE bytes + close, then unlink).
+    WriteUnlink {
+        dir: PathBuf,
+        #[arg(long, default_value_t = 1000)]
+        n: usize,
+        #[arg(long, default_value_t = 1024)]
+        size: usize,
+    },
+    /// mdtest-like: create N empty files, stat them all, remove them all; ops/s per phase.
+    Mdtest {
+        dir: PathBuf,
+        #[arg(long, default_value_t = 1000)]
+        n: usize,
+        /// Run one phase only (create, stat or remove), e.g. to count requests per phase.
+        #[arg(long, default_value = "all")]
+        phase: String,
+    },
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let num: f64 = num.parse().map_err(|_| format!("bad size {s:?}"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        _ => return Err(format!("bad size unit in {s:?}")),
+    };
+    Ok((num * mult as f64) as u64)
+}
+
+async fn client(s3: &S3Args) -> AwsClient {
+    AwsClient::new(
+        &s3.bucket,
+        &Endpoint {
+            region: None,
+            endpoint_url: Some(s3.endpoint.clone()),
+            force_path_style: true,
+        },
+    )
+    .await
+}
+
+fn mib_s(bytes: u64, secs: f64) -> f64 {
+    bytes as f64 / (1u64 << 20) as f64 / secs
+}
+
+/// A deterministic, incompressible-looking buffer.
+fn pattern(len: usize) -> Bytes {
+    let mut v = vec![0u8; len];
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    for chunk in v.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let b = x.to_le_bytes();
+        chunk.copy_from_slice(&b[..chunk.len()]);
+    }
+    Bytes::from(v)
+}
+
+// ---------------------------------------------------------------- proxy
+
+async fn proxy(listen: &str, upstream: &str, delay: Duration) -> Result<()> {
+    let listener = TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("bind {listen}"))?;
+    let mut n: u64 = 0;
+    loop {
+        let (down, _) = listener.accept().await?;
+        n += 1;
+        println!("conn {n}");
+        let upstream = upstream.to_string();
+        tokio::spawn(async move {
+            let accepted = tokio::time::Instant::now();
+            let Ok(up) = TcpStream::connect(&upstream).await else {
+                return;
+            };
+            let _ = down.set_nodelay(true);
+            let _ = up.set_nodelay(true);
+            // The handshake round trip: nothing moves before one RTT has passed.
+            let gate = accepted + delay * 2;
+            let (dr, dw) = down.into_split();
+            let (ur, uw) = up.into_split();
+            let a = tokio::spawn(pipe(dr, uw, gate, delay));
+            let b = tokio::spawn(pipe(ur, dw, gate, delay));
+            let _ = tokio::join!(a, b);
+        });
+    }
+}
+
+/// Forwards `r` to `w`; every chunk leaves `delay` after it arrived (never before `gate`).
+/// Reading and writing run concurrently, so the delay does not cap throughput.
+async fn pipe(
+    mut r: tokio::net::tcp::OwnedReadHalf,
+    mut w: tokio::net::tcp::OwnedWriteHalf,
+    gate: tokio::time::Instant,
+    delay: Duration,
+) {
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<(tokio::time::Instant, Option<Bytes>)>(4096);
+    let reader = async move {
+        let mut buf = BytesMut::with_capacity(256 << 10);
+        loop {
+            if buf.capacity() < 64 << 10 {
+                buf.reserve(256 << 10);
+            }
+            let res = r.read_buf(&mut buf).await;
+            let due = tokio::time::Instant::now().max(gate) + delay;
+            match res {
+                Ok(0) | Err(_) => {
+                    let _ = tx.send((due, None)).await;
+                    break;
+                }
+                Ok(_) => {
+                    let chunk = buf.split().freeze();
+                    if tx.send((due, Some(chunk))).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+    };
+    let writer = async move {
+        while let Some((due, chunk)) = rx.recv().await {
+            tokio::time::sleep_until(due).await;
+            match chunk {
+                Some(c) => {
+                    if w.write_all(&c).await.is_err() {
+                        break;
+                    }
+                }
+                None => {
+                    let _ = w.shutdown().await;
+                    break;
+                }
+            }
+        }
+    };
+    tokio::join!(reader, writer);
+}
+
+// ---------------------------------------------------------------- raw S3
+
+async fn raw_read(s3: &S3Args, key: &str, part: u64, conc: usize) -> Result<()> {
+    let c = client(s3).await;
+    let t = Instant::now();
+    let size = c.head_object(key).await?.size;
+    let ranges: Vec<(u64, u64)> = (0..size)
+        .step_by(part as usize)
+        .map(|s| (s, (s + part).min(size)))
+        .collect();
+    let c = &c;
+    let total = futures::stream::iter(ranges)
+        .map(|(s, e)| async move { c.get_range(key, s, e).await.map(|b| b.len() as u64) })
+        .buffered(conc)
+        .try_fold(0u64, |acc, n| async move { Ok(acc + n) })
+        .await?;
+    let secs = t.elapsed().as_secs_f64();
+    if total != size {
+        bail!("read {total} bytes, object has {size}");
+    }
+    println!(
+        "RESULT op=raw-read bytes={total} secs={secs:.3} mibps={:.1}",
+        mib_s(total, secs)
+    );
+    Ok(())
+}
+
+async fn raw_write(s3: &S3Args, key: &str, size: u64, part: u64, conc: usize) -> Result<()> {
+    let c = client(s3).await;
+    let buf = pattern(part.min(size).max(1) as usize);
+    let t = Instant::now();
+    if size < 5 << 20 {
+        c.put_object(key, buf.slice(0..size as usize)).await?;
+    } else {
+        let id = c.create_multipart(key).await?;
+        let nparts = size.div_ceil(part);
+        let (c, key, id, buf) = (&c, key, &id, &buf);
+        let res = futures::stream::iter(1..=nparts)
+            .map(|i| async move {
+                let len = part.min(size - (i - 1) * part) as usize;
+                c.upload_part(key, id, i as i32, buf.slice(0..len)).await
+            })
+            .buffer_unordered(conc)
+            .try_collect::<Vec<_>>()
+            .await;
+        let mut parts = match res {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = c.abort_multipart(key, id).await;
+                return Err(e.into());
+            }
+        };
+        parts.sort_by_key(|p| p.part_number);
+        c.complete_multipart(key, id, parts).await?;
+    }
+    let secs = t.elapsed().as_secs_f64();
+    println!(
+        "RESULT op=raw-write bytes={size} secs={secs:.3} mibps={:.1}",
+        mib_s(size, secs)
+    );
+    Ok(())
+}
+
+async fn populate(
+    s3: &S3Args,
+    prefix: &str,
+    dirs: usize,
+    files: usize,
+    size: usize,
+    conc: usize,
+) -> Result<()> {
+    let c = client(s3).await;
+    let body = pattern(size);
+    let t = Instant::now();
+    let keys: Vec<String> = (0..dirs)
+        .flat_map(|d| (0..files).map(move |f| format!("{prefix}/d{d:03}/f{f:04}")))
+        .collect();
+    let n = keys.len();
+    let (c, body) = (&c, &body);
+    futures::stream::iter(keys)
+        .map(|k| async move { c.put_object(&k, body.clone()).await })
+        .buffer_unordered(conc)
+        .try_for_each(|_| async { Ok(()) })
+        .await?;
+    println!(
+        "RESULT op=populate objects={n} secs={:.3}",
+        t.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------- file-system workloads
+
+fn fs_op(op: FsOp) -> Result<()> {
+    match op {
+        FsOp::SeqRead { path, bs } => {
+            let t = Instant::now();
+            let mut f = std::fs::File::open(&path).with_context(|| format!("open {path:?}"))?;
+            let mut buf = vec![0u8; bs as usize];
+            let mut total = 0u64;
+            loop {
+                let n = f.read(&mut buf).context("read")?;
+                if n == 0 {
+                    break;
+                }
+                total += n as u64;
+            }
+            drop(f);
+            let secs = t.elapsed().as_secs_f64();
+            let size = std::fs::metadata(&path)?.len();
+            if total != size {
+                bail!("read {total} bytes, file has {size}");
+            }
+            println!(
+                "RESULT op=seq-read bytes={total} secs={secs:.3} mibps={:.1}",
+                mib_s(total, secs)
+            );
+        }
+        FsOp::SeqWrite { path, size, bs } => {
+            let buf = pattern(bs as usize);
+            let t = Instant::now();
+            let mut f = std::fs::File::create(&path).with_context(|| format!("create {path:?}"))?;
+            let mut left = size;
+            while left > 0 {
+                let n = left.min(bs) as usize;
+                f.write_all(&buf[..n]).context("write")?;
+                left -= n as u64;
+            }
+            // close(2) is where every mount tested makes the data durable; report its error.
+            let fd = std::os::fd::IntoRawFd::into_raw_fd(f);
+            if unsafe { libc::close(fd) } != 0 {
+                bail!("close: {}", std::io::Error::last_os_error());
+            }
+            let secs = t.elapsed().as_secs_f64();
+            println!(
+                "RESULT op=seq-write bytes={size} secs={secs:.3} mibps={:.1}",
+                mib_s(size, secs)
+            );
+        }
+        FsOp::Touch { dir, n } => {
+            std::fs::create_dir_all(&dir)?;
+            let t = Instant::now();
+            for i in 0..n {
+                touch(&dir.join(format!("t{i:05}")))?;
+            }
+            let secs = t.elapsed().as_secs_f64();
+            println!(
+                "RESULT op=touch n={n} secs={secs:.3} ms_per_file={:.2}",
+                secs * 1000.0 / n as f64
+            );
+        }
+        FsOp::WriteUnlink { dir, n, size } => {
+            std::fs::create_dir_all(&dir)?;
+            let body = pattern(size);
+            let t = Instant::now();
+            for i in 0..n {
+                let p = dir.join(format!("w{i:05}"));
+                let mut f = std::fs::File::create(&p).with_context(|| format!("create {p:?}"))?;
+                f.write_all(&body)?;
+                close_checked(f)?;
+                std::fs::remove_file(&p).with_context(|| format!("unlink {p:?}"))?;
+            }
+            let secs = t.elapsed().as_secs_f64();
+            println!(
+                "RESULT op=write-unlink n={n} secs={secs:.3} ms_per_file={:.2}",
+                secs * 1000.0 / n as f64
+            );
+        }
+        FsOp::Mdtest { dir, n, phase } => {
+            if !["all", "create", "stat", "remove"].contains(&phase.as_str()) {
+                bail!("--phase must be all, create, stat or remove");
+            }
+            std::fs::create_dir_all(&dir)?;
+            let paths: Vec<PathBuf> = (0..n).map(|i| dir.join(format!("m{i:05}"))).collect();
+            let run = |name: &str| phase == "all" || phase == name;
+            let mut out = format!("RESULT op=mdtest n={n}");
+            if run("create") {
+                let t = Instant::now();
+                for p in &paths {
+                    let f = std::fs::OpenOptions::new()
+                        .write(true)
+                        .create(true)
+                        .truncate(true)
+                        .mode(0o644)
+                        .open(p)
+                        .with_context(|| format!("create {p:?}"))?;
+                    close_checked(f)?;
+                }
+                out += &format!(" create_ops={:.1}", n as f64 / t.elapsed().as_secs_f64());
+            }
+            if run("stat") {
+                let t = Instant::now();
+                for p in &paths {
+                    std::fs::metadata(p).with_context(|| format!("stat {p:?}"))?;
+                }
+                out += &format!(" stat_ops={:.1}", n as f64 / t.elapsed().as_secs_f64());
+            }
+            if run("remove") {
+                let t = Instant::now();
+                for p in &paths {
+                    std::fs::remove_file(p).with_context(|| format!("unlink {p:?}"))?;
+                }
+                out += &format!(" remove_ops={:.1}", n as f64 / t.elapsed().as_secs_f64());
+            }
+            println!("{out}");
+        }
+    }
+    Ok(())
+}
+
+fn close_checked(f: std::fs::File) -> Result<()> {
+    let fd = std::os::fd::IntoRawFd::into_raw_fd(f);
+    if unsafe { libc::close(fd) } != 0 {
+        bail!("close: {}", std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// What coreutils `touch FILE` does: open(O_WRONLY|O_CREAT|O_NOCTTY|O_NONBLOCK), futimens, close.
+fn touch(p: &Path) -> Result<()> {
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .custom_flags(libc::O_NOCTTY | libc::O_NONBLOCK)
+        .mode(0o666)
+        .open(p)
+        .with_context(|| format!("touch {p:?}"))?;
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
+    if unsafe { libc::futimens(fd, std::ptr::null()) } != 0 {
+        bail!("futimens {p:?}: {}", std::io::Error::last_os_error());
+    }
+    close_checked(f)
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    if let Cmd::Fs { op } = cli.cmd {
+        return fs_op(op);
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        match cli.cmd {
+            Cmd::Proxy {
+                listen,
+                upstream,
+                delay_ms,
+            } => proxy(&listen, &upstream, Duration::from_millis(delay_ms)).await,
+            Cmd::RawRead {
+                s3,
+                key,
+                part,
+                concurrency,
+            } => raw_read(&s3, &key, part, concurrency.max(1)).await,
+            Cmd::RawWrite {
+                s3,
+                key,
+                size,
+                part,
+                concurrency,
+            } => raw_write(&s3, &key, size, part.max(5 << 20), concurrency.max(1)).await,
+            Cmd::Head { s3, key } => {
+                let m = client(&s3).await.head_object(&key).await?;
+                println!("RESULT op=head size={}", m.size);
+                Ok(())
+            }
+            Cmd::Populate {
+                s3,
+                prefix,
+                dirs,
+                files,
+                size,
+                concurrency,
+            } => populate(&s3, &prefix, dirs, files, size, concurrency.max(1)).await,
+            Cmd::Fs { .. } => unreachable!(),
+        }
+    })
+}
