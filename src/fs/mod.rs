@@ -112,6 +112,8 @@ enum FileState {
     Write(Upload),
     /// The upload completed (close/fsync); writing more would need an append.
     Committed,
+    /// The file was unlinked while open: writes vanish, as they would on a local disk.
+    Discarded,
 }
 
 struct OpenFile {
@@ -672,6 +674,12 @@ impl S3Fs {
         if !f.writable {
             return Err(FsError::BadHandle);
         }
+        if matches!(f.state, FileState::Committed) && offset == 0 && self.inode(f.ino)?.size == 0 {
+            // Committed empty (a shell's dup2 + close before writing): start the object over.
+            let ino = f.ino;
+            self.start_writing(ino, fh)?;
+            f.state = FileState::Write(self.new_upload(f.key.clone()));
+        }
         if let FileState::Read(_) = &f.state {
             // Opened for writing without O_TRUNC: only an empty object may be (re)written,
             // from its start. Anything else would need a read-modify-write of the object.
@@ -698,6 +706,7 @@ impl S3Fs {
                 }
                 Ok(n)
             }
+            FileState::Discarded => Ok(data.len()),
             FileState::Committed => {
                 tracing::warn!(key = %f.key, "write after the upload was completed by close/fsync");
                 Err(FsError::Unsupported(
@@ -711,20 +720,15 @@ impl S3Fs {
     /// close(): completes the upload of a handle that is writing. Errors mean the data is
     /// NOT in S3 and must reach the application.
     ///
-    /// Two kinds of flush are not a commit, because more writes follow them:
-    /// - before anything was written: shells open a file and then `dup2` it onto stdout,
-    ///   closing (and so flushing) the original descriptor before writing. An empty new
-    ///   file is therefore uploaded at release, without making `touch` wait for the round
-    ///   trip; fsync still commits it synchronously.
-    /// - from another process than the opener: a child that inherited the descriptor
-    ///   (fork + exec closes it) must not end the parent's upload. Release commits then.
+    /// A flush from another process than the opener is not a commit: a child that
+    /// inherited the descriptor (fork + exec closes it) must not end the parent's upload;
+    /// release commits then. A flush before anything was written does commit (an empty
+    /// object, durable at close); shells that open, `dup2` and close the original
+    /// descriptor before writing then restart the upload from offset 0, see `write`.
     pub async fn flush(&self, fh: u64, caller: Option<u32>) -> FsResult<()> {
         let file = self.file_handle(fh)?;
         let mut f = file.lock().await;
-        if let FileState::Write(up) = &f.state {
-            if up.written() == 0 {
-                return Ok(());
-            }
+        if let FileState::Write(_) = &f.state {
             if f.opener.is_some() && caller.is_some() && f.opener != caller {
                 tracing::debug!(key = %f.key, ?caller, opener = ?f.opener, "flush from another process; not committing");
                 return Ok(());
@@ -921,7 +925,7 @@ impl S3Fs {
                 if let FileState::Write(up) = &mut f.state {
                     up.abort().await;
                 }
-                f.state = FileState::Committed;
+                f.state = FileState::Discarded;
             }
             if let Some(i) = lock(&self.inodes).get_mut(child.ino) {
                 i.writer = None;

@@ -171,6 +171,13 @@ impl Prefetcher {
             if permit.is_none() && !needed {
                 break;
             }
+            // Over budget, fetch only what this read needs: memory then grows by one read
+            // per open file, not by one window.
+            let chunk_len = if permit.is_none() {
+                needed_end - self.next_fetch
+            } else {
+                chunk_len
+            };
             let (start, end) = (self.next_fetch, self.next_fetch + chunk_len);
             let client = self.client.clone();
             let key = self.key.clone();
