@@ -54,16 +54,6 @@ fn say(text: impl AsRef<str>) {
     let _ = out.flush();
 }
 
-fn init_logging(level: &str) {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .try_init();
-}
-
 fn make_temp_dir(parent: &Path) -> Result<PathBuf, String> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::create_dir_all(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
@@ -86,7 +76,7 @@ fn make_temp_dir(parent: &Path) -> Result<PathBuf, String> {
 
 /// `s3csi demo`. Returns the exit code.
 pub fn run(args: DemoArgs) -> i32 {
-    init_logging(&args.log_level);
+    crate::logging::init(&args.log_level);
     let parent = args.dir.clone().unwrap_or_else(std::env::temp_dir);
     let root = match make_temp_dir(&parent) {
         Ok(d) => d,

@@ -4,6 +4,7 @@ pub mod config;
 pub mod csi;
 pub mod demo;
 pub mod fs;
+pub mod logging;
 pub mod mounter;
 pub mod s3;
 pub mod s3server;

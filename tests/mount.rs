@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use s3csi::s3::{ListRequest, ObjectClient};
+use s3csi::s3::ObjectClient;
 use std::fs;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::OpenOptionsExt;
@@ -18,38 +18,6 @@ fn put(bucket: &str, key: &str, body: &[u8]) {
         .unwrap();
 }
 
-fn get(bucket: &str, key: &str) -> Option<Vec<u8>> {
-    let c = client(bucket);
-    let rt = runtime();
-    let meta = rt.block_on(c.head_object(key)).ok()?;
-    Some(
-        rt.block_on(c.get_range(key, 0, meta.size))
-            .unwrap()
-            .to_vec(),
-    )
-}
-
-fn keys(bucket: &str, prefix: &str) -> Vec<String> {
-    let c = client(bucket);
-    let mut out = Vec::new();
-    let mut token: Option<String> = None;
-    loop {
-        let page = runtime()
-            .block_on(c.list(ListRequest {
-                prefix,
-                delimiter: None,
-                continuation: token.as_deref(),
-                max_keys: 1000,
-            }))
-            .unwrap();
-        out.extend(page.objects.into_iter().map(|o| o.key));
-        token = page.next_token;
-        if token.is_none() {
-            return out;
-        }
-    }
-}
-
 fn errno_of(e: std::io::Error) -> i32 {
     e.raw_os_error().unwrap_or(-1)
 }
@@ -60,11 +28,11 @@ fn files_and_directories_round_trip() {
     let m = Mount::start(&bucket, &[]);
     fs::write(m.path("hello.txt"), b"hello world").unwrap();
     assert_eq!(fs::read(m.path("hello.txt")).unwrap(), b"hello world");
-    assert_eq!(get(&bucket, "hello.txt").unwrap(), b"hello world");
+    assert_eq!(s3_get(&bucket, "hello.txt").unwrap(), b"hello world");
 
     fs::create_dir(m.path("dir")).unwrap();
     assert!(
-        keys(&bucket, "").contains(&"dir/".to_string()),
+        s3_keys(&bucket, "").contains(&"dir/".to_string()),
         "mkdir writes a marker"
     );
     fs::write(m.path("dir/inner"), b"x").unwrap();
@@ -73,8 +41,8 @@ fn files_and_directories_round_trip() {
         libc::ENOTEMPTY
     );
     fs::rename(m.path("dir/inner"), m.path("moved")).unwrap();
-    assert_eq!(get(&bucket, "moved").unwrap(), b"x");
-    assert!(get(&bucket, "dir/inner").is_none());
+    assert_eq!(s3_get(&bucket, "moved").unwrap(), b"x");
+    assert!(s3_get(&bucket, "dir/inner").is_none());
     fs::remove_dir(m.path("dir")).unwrap();
     assert!(!m.path("dir").exists());
 
@@ -87,7 +55,7 @@ fn files_and_directories_round_trip() {
     assert_eq!(fs::metadata(m.path("hello.txt")).unwrap().len(), 11);
 
     fs::remove_file(m.path("hello.txt")).unwrap();
-    assert!(get(&bucket, "hello.txt").is_none());
+    assert!(s3_get(&bucket, "hello.txt").is_none());
     assert_eq!(
         errno_of(fs::remove_file(m.path("nope")).unwrap_err()),
         libc::ENOENT
@@ -127,7 +95,7 @@ fn implicit_directories_markers_and_prefix_mounts() {
     let m = Mount::start(&format!("{bucket}:x"), &[]);
     assert_eq!(fs::read(m.path("y/z.txt")).unwrap(), b"deep");
     fs::write(m.path("new"), b"n").unwrap();
-    assert_eq!(get(&bucket, "x/new").unwrap(), b"n");
+    assert_eq!(s3_get(&bucket, "x/new").unwrap(), b"n");
     assert!(!m.path("top").exists());
 }
 
@@ -246,7 +214,7 @@ fn overwrite_truncate_and_refused_modifications() {
     let p = m.path("f");
     fs::write(&p, b"first version").unwrap();
     fs::write(&p, b"second").unwrap(); // O_TRUNC overwrite
-    assert_eq!(get(&bucket, "f").unwrap(), b"second");
+    assert_eq!(s3_get(&bucket, "f").unwrap(), b"second");
 
     // Appending to an existing object is refused, and the object is unchanged.
     let mut app = fs::OpenOptions::new().append(true).open(&p).unwrap();
@@ -260,14 +228,14 @@ fn overwrite_truncate_and_refused_modifications() {
     rw.seek(SeekFrom::Start(2)).unwrap();
     assert_eq!(errno_of(rw.write_all(b"XX").unwrap_err()), libc::EOPNOTSUPP);
     drop(rw);
-    assert_eq!(get(&bucket, "f").unwrap(), b"second");
+    assert_eq!(s3_get(&bucket, "f").unwrap(), b"second");
 
     // truncate to 0 works; to another size does not.
     let f = fs::OpenOptions::new().write(true).open(&p).unwrap();
     assert_eq!(errno_of(f.set_len(3).unwrap_err()), libc::EOPNOTSUPP);
     f.set_len(0).unwrap();
     drop(f);
-    assert_eq!(get(&bucket, "f").unwrap(), b"");
+    assert_eq!(s3_get(&bucket, "f").unwrap(), b"");
 
     // Directory rename: EXDEV, so mv falls back to copy + delete.
     fs::create_dir(m.path("d")).unwrap();
@@ -300,7 +268,7 @@ fn overwrite_truncate_and_refused_modifications() {
     let mut w = fs::OpenOptions::new().write(true).open(&p).unwrap();
     w.write_all(b"refilled").unwrap();
     drop(w);
-    assert_eq!(get(&bucket, "f").unwrap(), b"refilled");
+    assert_eq!(s3_get(&bucket, "f").unwrap(), b"refilled");
 }
 
 #[test]
@@ -447,7 +415,7 @@ fn detaches_only_once_mounted_and_unmounts_cleanly() {
     assert!(is_mountpoint(&dir), "mounted when the command returned");
     fs::write(dir.join("f"), b"detached").unwrap();
     assert!(Command::new("umount").arg(&dir).status().unwrap().success());
-    assert_eq!(get(&bucket, "f").unwrap(), b"detached");
+    assert_eq!(s3_get(&bucket, "f").unwrap(), b"detached");
 }
 
 #[test]
@@ -465,7 +433,7 @@ fn sigterm_completes_open_uploads_before_unmounting() {
     f.write_all(&vec![7u8; 3 * 1024 * 1024]).unwrap();
     m.stop();
     drop(f);
-    assert_eq!(get(&bucket, "open-file").unwrap().len(), 3 * 1024 * 1024);
+    assert_eq!(s3_get(&bucket, "open-file").unwrap().len(), 3 * 1024 * 1024);
     assert!(
         m.log_text().contains("completing open uploads"),
         "{}",

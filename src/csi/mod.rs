@@ -154,16 +154,6 @@ fn bind_socket(path: &Path) -> Result<tokio::net::UnixListener, String> {
     Ok(listener)
 }
 
-fn init_logging(level: &str) {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .try_init();
-}
-
 async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
     let (Ok(mut term), Ok(mut int)) = (
@@ -181,7 +171,7 @@ async fn shutdown_signal() {
 
 /// Serves until SIGTERM/SIGINT. Returns the process exit code.
 pub fn run(args: CsiArgs) -> i32 {
-    init_logging(&args.log_level);
+    crate::logging::init(&args.log_level);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("s3csi-csi")

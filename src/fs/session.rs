@@ -227,17 +227,6 @@ async fn check_bucket(client: &AwsClient, cfg: &MountConfig) -> Result<(), Strin
     }
 }
 
-fn init_logging(debug: bool) {
-    use tracing_subscriber::EnvFilter;
-    let default = if debug { "s3csi=debug,info" } else { "info" };
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .try_init();
-}
-
 /// Reports readiness to the waiting parent (when detached).
 struct Readiness(Option<std::fs::File>);
 
@@ -334,7 +323,11 @@ pub fn run_mount_command(args: MountArgs) -> i32 {
             let _ = nix::unistd::dup2_stdin(&null);
         }
     }
-    init_logging(cfg.debug);
+    crate::logging::init(if cfg.debug {
+        "s3csi=debug,info"
+    } else {
+        "info"
+    });
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("s3csi-io")
@@ -448,7 +441,11 @@ fn run_handoff(args: &MountArgs, cfg: &MountConfig, dir: &Path) -> i32 {
     if let Ok(null) = std::fs::File::open("/dev/null") {
         let _ = nix::unistd::dup2_stdin(&null);
     }
-    init_logging(cfg.debug);
+    crate::logging::init(if cfg.debug {
+        "s3csi=debug,info"
+    } else {
+        "info"
+    });
     let fail = |msg: String| -> i32 {
         tracing::error!("{msg}");
         eprintln!("s3csi: {msg}");

@@ -161,19 +161,9 @@ fn open_store(dir: &Path) -> Result<Store, String> {
     Store::open(dir).map_err(|e| format!("cannot open {}: {e}", dir.display()))
 }
 
-fn init_logging(level: &str) {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(false)
-        .try_init();
-}
-
 /// `s3csi s3-server`: serves until SIGINT/SIGTERM. Returns the exit code.
 pub fn run_command(args: S3ServerArgs) -> i32 {
-    init_logging(&args.log_level);
+    crate::logging::init(&args.log_level);
     let secret = std::env::var(SECRET_ENV)
         .ok()
         .filter(|s| !s.is_empty())
