@@ -5,6 +5,7 @@ pub mod csi;
 pub mod demo;
 pub mod fs;
 pub mod logging;
+pub mod metrics;
 pub mod mounter;
 pub mod s3;
 pub mod s3server;

@@ -16,6 +16,7 @@ pub mod identity;
 pub mod node;
 pub mod pb;
 
+use crate::metrics::Metered;
 use crate::mounter::{ProcessMounter, Timeouts};
 use crate::s3::aws::Endpoint;
 use error::CsiError;
@@ -72,6 +73,12 @@ pub struct CsiArgs {
     /// Log level: error, warn, info, debug or trace (RUST_LOG overrides it)
     #[arg(long, default_value = "info", value_parser = ["error", "warn", "info", "debug", "trace"])]
     pub log_level: String,
+    #[command(flatten)]
+    pub mounter: crate::mounter::pod::MounterArgs,
+    /// Serve Prometheus metrics on http://ADDRESS/metrics: IP:PORT, [IPv6]:PORT, or :PORT
+    /// for every interface (e.g. 0.0.0.0:9809 or :9809). Off when not given
+    #[arg(long, value_name = "HOST:PORT")]
+    pub metrics_address: Option<crate::metrics::MetricsAddress>,
 }
 
 /// One operation at a time per key (a target path, or `volume:<id>`); a second concurrent
@@ -210,6 +217,12 @@ pub async fn serve(
     };
     let path = socket_path(&args.endpoint)?;
     let in_flight = InFlight::default();
+    let registry = crate::metrics::Registry::new();
+    // Bound first, so that a port in use fails the start before anything else happens.
+    let metrics_listener = match args.metrics_address {
+        Some(address) => Some(address.bind().await?),
+        None => None,
+    };
 
     let node_service = if node {
         let node_id = args
@@ -233,11 +246,35 @@ pub async fn serve(
                 args.state_dir.display()
             )
         })?;
+        let mounter = match args.mounter.pod_settings(&node_id)? {
+            Some(settings) => {
+                let namespace = settings.namespace.clone();
+                let pods = crate::mounter::pod::PodLauncher::connect(settings).await?;
+                tracing::info!(namespace, "mounters run as pods");
+                mounter.with_pods(pods)
+            }
+            None => mounter,
+        };
         let adopted = mounter.recover();
         if adopted > 0 {
             tracing::info!(adopted, "adopted mounts from a previous run");
         }
+        if let Err(e) = mounter.reconcile().await {
+            tracing::warn!(error = %e, "cannot clean up mounter pods; trying again at the next start");
+        }
         let mounter = Arc::new(mounter);
+        let m = mounter.clone();
+        registry.gauge(
+            "s3csi_mounts",
+            "Mounts the node service tracks (starting, serving or being unmounted).",
+            move || m.mount_count() as f64,
+        );
+        let m = mounter.clone();
+        registry.counter(
+            "s3csi_mounter_replacements_total",
+            "Mounter processes that died and were replaced while their mount was held.",
+            move || m.replacements_total() as f64,
+        );
         // Replaces mounters that die while their mount is held.
         mounter.start_supervisor();
         let kubelet_dir = match &args.kubelet_dir {
@@ -272,18 +309,34 @@ pub async fn serve(
         version = env!("CARGO_PKG_VERSION"),
         "serving CSI"
     );
+    let metrics_task = match metrics_listener {
+        Some(listener) => {
+            let addr = listener
+                .local_addr()
+                .map_err(|e| format!("--metrics-address: {e}"))?;
+            tracing::info!("serving metrics on http://{addr}/metrics");
+            Some(crate::metrics::serve(listener, registry.clone()))
+        }
+        None => None,
+    };
     let router = tonic::transport::Server::builder()
-        .add_service(IdentityServer::new(identity::IdentityService {
-            driver_name: args.driver_name.clone(),
-            controller,
-        }))
-        .add_optional_service(node_service)
-        .add_optional_service(controller_service);
+        .add_service(Metered::new(
+            IdentityServer::new(identity::IdentityService {
+                driver_name: args.driver_name.clone(),
+                controller,
+            }),
+            registry.clone(),
+        ))
+        .add_optional_service(node_service.map(|s| Metered::new(s, registry.clone())))
+        .add_optional_service(controller_service.map(|s| Metered::new(s, registry.clone())));
     let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
     let result = router
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await
         .map_err(|e| format!("server failed: {e}"));
+    if let Some(task) = metrics_task {
+        task.abort();
+    }
     let _ = std::fs::remove_file(&path);
     result
 }

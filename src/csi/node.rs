@@ -127,7 +127,9 @@ impl NodeService {
         })?;
 
         let _guard = self.in_flight.try_begin(&target)?;
-        let status = self.mounter.status(&target);
+        // status() may probe the mount, which waits while a mounter is being replaced:
+        // keep it off the async workers' queues.
+        let status = tokio::task::block_in_place(|| self.mounter.status(&target));
         match (&status.volume_id, &status.mounted) {
             (Some(v), Some(_))
                 if *v == req.volume_id && (status.problem.is_none() || status.recoverable) =>
@@ -221,7 +223,9 @@ impl NodeService {
             return Err(CsiError::invalid("volume_id is required"));
         }
         let path = checked_path("volume_path", &req.volume_path, None)?;
-        let status = self.mounter.status(&path);
+        // status() may probe the mount, which waits while a mounter is being replaced:
+        // keep it off the async workers' queues.
+        let status = tokio::task::block_in_place(|| self.mounter.status(&path));
         if status.volume_id.is_none() && status.mounted.is_none() {
             if std::fs::symlink_metadata(&path).is_err() {
                 return Err(CsiError::NotFound(format!(

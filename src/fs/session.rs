@@ -302,7 +302,12 @@ pub fn run_mount_command(args: MountArgs) -> i32 {
     let mut ready = Readiness(None);
     let cfg = match args.to_config() {
         Ok(c) => c,
-        Err(e) => return fail(&mut ready, e.to_string()),
+        Err(e) => {
+            if let Some(dir) = &args.handoff_dir {
+                record_failure(dir, &e.to_string());
+            }
+            return fail(&mut ready, e.to_string());
+        }
     };
     if let Some(dir) = args.handoff_dir.clone() {
         return run_handoff(&args, &cfg, &dir);
@@ -428,6 +433,15 @@ async fn wait_for_stop(background: &fuser::BackgroundSession) -> Option<&'static
     }
 }
 
+/// Leaves the reason we are giving up in the handoff directory: in pod mode our stderr
+/// belongs to the container runtime, and the node service reports this to kubelet.
+fn record_failure(dir: &Path, msg: &str) {
+    use crate::mounter::pod::LAST_ERROR_FILE;
+    if let Err(e) = std::fs::write(dir.join(LAST_ERROR_FILE), format!("{msg}\n")) {
+        tracing::warn!(error = %e, "cannot record the failure in the handoff directory");
+    }
+}
+
 /// `s3csi mount --handoff-dir DIR`: the CSI node service has mounted (or will mount) the
 /// target itself and hands us the /dev/fuse descriptor over `DIR/control.sock`; see
 /// `mounter::handoff`. We never mount or unmount; SIGTERM completes open uploads and exits,
@@ -449,6 +463,7 @@ fn run_handoff(args: &MountArgs, cfg: &MountConfig, dir: &Path) -> i32 {
     let fail = |msg: String| -> i32 {
         tracing::error!("{msg}");
         eprintln!("s3csi: {msg}");
+        record_failure(dir, &msg);
         1
     };
     let rt = match tokio::runtime::Builder::new_multi_thread()

@@ -36,6 +36,7 @@
 
 pub mod handoff;
 pub mod mountinfo;
+pub mod pod;
 
 use async_trait::async_trait;
 use std::collections::HashMap;
@@ -149,6 +150,8 @@ struct Tracked {
     /// Failed replacement attempts in a row, and when to try again.
     failures: u32,
     retry_at: Option<Instant>,
+    /// Pod mode: the mounter Pod serving this mount.
+    pod: Option<String>,
 }
 
 impl Tracked {
@@ -166,17 +169,17 @@ impl Tracked {
             last_replacement: None,
             failures: 0,
             retry_at: None,
+            pod: None,
         }
     }
 
     /// Why the mounter is not running, if it is not.
     fn dead(&self) -> Option<String> {
         if let Some(e) = &self.exited {
-            return e
-                .lock()
-                .unwrap()
-                .as_ref()
-                .map(|s| format!("the mounter process {} exited ({s})", self.pid));
+            return e.lock().unwrap().as_ref().map(|s| match &self.pod {
+                Some(pod) => format!("the mounter pod {pod} stopped ({s})"),
+                None => format!("the mounter process {} exited ({s})", self.pid),
+            });
         }
         (!pid_alive(self.pid)).then(|| format!("the mounter process {} is gone", self.pid))
     }
@@ -210,15 +213,27 @@ pub struct ProcessMounter {
     /// One mount, unmount or replacement at a time per target.
     ops: Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>,
     replacements_total: AtomicU64,
+    /// Pod mode: mounters run in Pods of their own; None: child processes.
+    pods: Option<pod::PodLauncher>,
 }
 
-fn key_for(target: &Path) -> String {
-    // FNV-1a: stable across builds, unlike std's hasher.
+/// FNV-1a: stable across builds and versions, unlike std's hasher.
+pub(crate) fn fnv64(bytes: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf29ce484222325;
-    for b in target.as_os_str().as_encoded_bytes() {
+    for b in bytes {
         h ^= *b as u64;
         h = h.wrapping_mul(0x100000001b3);
     }
+    h
+}
+
+/// A short name for the mount on `target`, usable in Kubernetes object names.
+fn mount_id(target: &Path) -> String {
+    format!("{:016x}", fnv64(target.as_os_str().as_encoded_bytes()))
+}
+
+fn key_for(target: &Path) -> String {
+    let h = fnv64(target.as_os_str().as_encoded_bytes());
     let leaf: String = target
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -335,9 +350,10 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
         .expect("blocking task panicked")
 }
 
-/// A started mounter child.
+/// A started mounter: a child process, or (pod mode) a Pod.
 struct Child {
     pid: u32,
+    pod: Option<String>,
     exited: Arc<Mutex<Option<String>>>,
     log: PathBuf,
     offset: u64,
@@ -366,7 +382,14 @@ impl ProcessMounter {
             mounts: Mutex::new(HashMap::new()),
             ops: Mutex::new(HashMap::new()),
             replacements_total: AtomicU64::new(0),
+            pods: None,
         })
+    }
+
+    /// Pod mode: run every mounter in a Pod of its own through `launcher`.
+    pub fn with_pods(mut self, launcher: pod::PodLauncher) -> Self {
+        self.pods = Some(launcher);
+        self
     }
 
     fn state_file(&self, target: &Path) -> PathBuf {
@@ -390,6 +413,12 @@ impl ProcessMounter {
     /// How many mounters this node service replaced, all volumes together.
     pub fn replacements_total(&self) -> u64 {
         self.replacements_total.load(Ordering::Relaxed)
+    }
+
+    /// How many mounts this node service tracks (starting, serving, being replaced or
+    /// being unmounted).
+    pub fn mount_count(&self) -> usize {
+        self.mounts.lock().unwrap().len()
     }
 
     fn op_lock(&self, target: &Path) -> Arc<tokio::sync::Mutex<()>> {
@@ -419,6 +448,9 @@ impl ProcessMounter {
                     dir.display(),
                     t.replacements
                 ));
+            }
+            if let Some(pod) = &t.pod {
+                text.push_str(&format!("pod={pod}\n"));
             }
             if let Some(req) = &t.request {
                 text.push_str(&format!("source={}\n", req.source));
@@ -475,7 +507,11 @@ impl ProcessMounter {
             };
             let target = PathBuf::from(target);
             let mounted = mountinfo::find(&target).is_some_and(|e| e.is_fuse());
-            let alive = pid_alive(pid) && is_our_mounter(pid, &target);
+            let pod_name = fields.get("pod").map(|p| p.to_string());
+            let alive = match (&pod_name, fields.get("handoff")) {
+                (Some(_), Some(dir)) => pod::answers(Path::new(dir)) == pod::Answer::Serving,
+                _ => pid_alive(pid) && is_our_mounter(pid, &target),
+            };
             let serving = mounted || alive;
             if !serving {
                 tracing::info!(volume_id, target = %target.display(), "forgetting a mount that is gone");
@@ -484,6 +520,10 @@ impl ProcessMounter {
                 continue;
             }
             let mut t = Tracked::new(volume_id.to_string(), pid, None);
+            if let (Some(name), Some(dir)) = (&pod_name, fields.get("handoff")) {
+                t.exited = Some(watch_pod(Path::new(dir), name));
+                t.pod = pod_name.clone();
+            }
             if let Some(dir) = fields.get("handoff").map(PathBuf::from) {
                 t.replacements = fields
                     .get("replacements")
@@ -497,7 +537,13 @@ impl ProcessMounter {
                     }
                 }
                 if let Some(source) = fields.get("source") {
-                    let env = credentials_of(pid);
+                    // A mounter Pod's credentials stay in its Secret, which its
+                    // replacement reads too.
+                    let env = if pod_name.is_some() {
+                        vec![]
+                    } else {
+                        credentials_of(pid)
+                    };
                     t.request = Some(MountRequest {
                         volume_id: volume_id.to_string(),
                         target: target.clone(),
@@ -518,6 +564,7 @@ impl ProcessMounter {
                 volume_id,
                 target = %target.display(),
                 pid,
+                pod = pod_name.as_deref().unwrap_or(""),
                 descriptor = t.fuse_fd.is_some(),
                 "adopted mount"
             );
@@ -525,6 +572,47 @@ impl ProcessMounter {
             adopted += 1;
         }
         adopted
+    }
+
+    /// Pod mode, after [`Self::recover`]: deletes this node's mounter Pods and Secrets
+    /// that belong to no mount any more (left by a node service that died between
+    /// creating and recording them, or by a mount that is gone), and reports mounts whose
+    /// mounter Pod vanished while no node service held their descriptor.
+    pub async fn reconcile(&self) -> Result<(), MountError> {
+        let Some(pods) = &self.pods else {
+            return Ok(());
+        };
+        let (live_pods, live_mounts, orphaned): (Vec<String>, Vec<String>, Vec<String>) = {
+            let mounts = self.mounts.lock().unwrap();
+            let live_pods = mounts.values().filter_map(|t| t.pod.clone()).collect();
+            let live_mounts = mounts.keys().map(|p| mount_id(p)).collect();
+            let orphaned = mounts
+                .iter()
+                .filter(|(_, t)| t.pod.is_some() && t.fuse_fd.is_none())
+                .map(|(p, t)| format!("{} ({})", p.display(), t.volume_id))
+                .collect();
+            (live_pods, live_mounts, orphaned)
+        };
+        let (found_pods, found_secrets) = pods.list_managed().await?;
+        for (name, _) in found_pods.iter().filter(|(n, _)| !live_pods.contains(n)) {
+            tracing::info!(pod = name, "deleting a mounter pod that serves no mount");
+            pods.delete_pod(name, pods.settings().termination_grace_seconds)
+                .await?;
+        }
+        for (name, mount) in found_secrets.iter() {
+            if !live_mounts.contains(mount) {
+                tracing::info!(secret = name, "deleting a mounter secret of no mount");
+                pods.delete_secret(name).await?;
+            }
+        }
+        for m in orphaned {
+            tracing::error!(
+                mount = m,
+                "this mount lost its mounter pod while no node service held its descriptor; \
+                it reports abnormal until the volume is unpublished and published again"
+            );
+        }
+        Ok(())
     }
 
     /// The last line the mounter wrote to its log since `offset`, secrets removed.
@@ -574,7 +662,42 @@ impl ProcessMounter {
         true
     }
 
-    /// Starts `s3csi mount --foreground --handoff-dir DIR [--recover] ARGS SOURCE TARGET`.
+    /// Starts `s3csi mount --foreground --handoff-dir DIR [--recover] ARGS SOURCE TARGET`
+    /// as a child process or, in pod mode, as Pod generation `generation` of the mount.
+    async fn start_child(
+        &self,
+        req: &MountRequest,
+        dir: &Path,
+        recover: bool,
+        generation: u32,
+    ) -> Result<Child, MountError> {
+        let Some(pods) = &self.pods else {
+            return self.spawn_child(req, dir, recover);
+        };
+        let name = pods
+            .start(req, &mount_id(&req.target), dir, recover, generation)
+            .await?;
+        Ok(Child {
+            pid: 0,
+            exited: watch_pod(dir, &name),
+            pod: Some(name),
+            log: dir.join(pod::LAST_ERROR_FILE),
+            offset: 0,
+        })
+    }
+
+    /// Stops a mounter at once (SIGKILL, or a Pod deleted without grace).
+    async fn kill_child(&self, pid: u32, pod: Option<&str>) {
+        match (pod, &self.pods) {
+            (Some(name), Some(pods)) => {
+                if let Err(e) = pods.delete_pod(name, 0).await {
+                    tracing::warn!(pod = name, error = %e, "cannot delete the mounter pod");
+                }
+            }
+            _ => kill9(pid),
+        }
+    }
+
     fn spawn_child(
         &self,
         req: &MountRequest,
@@ -639,6 +762,7 @@ impl ProcessMounter {
         }
         Ok(Child {
             pid,
+            pod: None,
             exited,
             log,
             offset,
@@ -661,7 +785,12 @@ impl ProcessMounter {
                 Ok(handoff::recv(&s)?.0)
             })
             .await;
-            if pong.is_ok_and(|l| l == format!("OK pid={}", child.pid)) {
+            // A Pod's process has a pid of its own namespace; its socket is its alone.
+            let ours = |l: &str| match child.pod {
+                Some(_) => l.starts_with("OK pid="),
+                None => l == format!("OK pid={}", child.pid),
+            };
+            if pong.is_ok_and(|l| ours(&l)) {
                 return Ok(());
             }
             if child.exited.lock().unwrap().is_some() {
@@ -672,7 +801,7 @@ impl ProcessMounter {
                 });
             }
             if Instant::now() >= deadline {
-                kill9(child.pid);
+                self.kill_child(child.pid, child.pod.as_deref()).await;
                 let last = self.last_line(&child.log, child.offset, scrub);
                 return Err(MountError {
                     kind: FailureKind::Timeout,
@@ -747,7 +876,7 @@ impl ProcessMounter {
     async fn replace(&self, target: &Path) {
         let op = self.op_lock(target);
         let _op = op.lock().await;
-        let (volume_id, old_pid, reason, fd, req, dir, n) = {
+        let (volume_id, old_pid, old_pod, reason, fd, req, dir, n) = {
             let mut mounts = self.mounts.lock().unwrap();
             let Some(t) = mounts.get_mut(target) else {
                 return;
@@ -771,6 +900,7 @@ impl ProcessMounter {
             (
                 t.volume_id.clone(),
                 t.pid,
+                t.pod.clone(),
                 reason,
                 fd,
                 req,
@@ -788,7 +918,13 @@ impl ProcessMounter {
             "mounter died; starting a replacement with the same FUSE descriptor"
         );
         let result = async {
-            let child = self.spawn_child(&req, &dir, true)?;
+            if let Some(old) = &old_pod {
+                // Its process is gone; the Pod object (phase Failed) is not. Its socket
+                // goes too, or the new Pod's watch would take it for a dead mounter.
+                self.kill_child(0, Some(old)).await;
+                let _ = std::fs::remove_file(handoff::control_socket(&dir));
+            }
+            let child = self.start_child(&req, &dir, true, n).await?;
             let deadline = Instant::now() + self.timeouts.mount;
             let outcome = async {
                 self.wait_listening(&child, &dir, deadline, &req.scrub)
@@ -797,7 +933,7 @@ impl ProcessMounter {
             }
             .await;
             if outcome.is_err() {
-                kill9(child.pid);
+                self.kill_child(child.pid, child.pod.as_deref()).await;
             }
             outcome.map(|_| child)
         }
@@ -811,6 +947,7 @@ impl ProcessMounter {
             Ok(child) => {
                 let total = self.replacements_total.fetch_add(1, Ordering::Relaxed) + 1;
                 t.pid = child.pid;
+                t.pod = child.pod.clone();
                 t.exited = Some(child.exited);
                 t.replacements = n;
                 t.failures = 0;
@@ -822,6 +959,7 @@ impl ProcessMounter {
                     volume_id,
                     target = %target.display(),
                     pid = child.pid,
+                    pod = child.pod.as_deref().unwrap_or(""),
                     replacement = n,
                     replacements_total = total,
                     took_ms = started.elapsed().as_millis() as u64,
@@ -849,13 +987,37 @@ impl ProcessMounter {
         &self,
         target: &Path,
         pid: u32,
+        pod: Option<String>,
         exited: Option<Arc<Mutex<Option<String>>>>,
     ) -> Result<(), MountError> {
         use nix::mount::{umount2, MntFlags};
         use nix::sys::signal::{kill, Signal};
         use nix::unistd::Pid;
         let deadline = Instant::now() + self.timeouts.unmount;
-        if pid > 0 && pid_alive(pid) && is_our_mounter(pid, target) {
+        if let (Some(name), Some(pods)) = (&pod, &self.pods) {
+            // Deleting the Pod gives the mounter its SIGTERM and grace period.
+            let grace = self.timeouts.unmount.as_secs().max(1) as u32;
+            if let Err(e) = pods.delete_pod(name, grace).await {
+                tracing::warn!(pod = name, error = %e, "cannot delete the mounter pod");
+            }
+            let gone = || exited.as_ref().is_none_or(|e| e.lock().unwrap().is_some());
+            while !gone() && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            if !gone() {
+                tracing::warn!(
+                    pod = name,
+                    "mounter pod did not stop in time; deleting it now"
+                );
+                self.kill_child(0, Some(name)).await;
+            }
+            if let Err(e) = pods
+                .delete_secret(&pod::PodLauncher::secret_name(&mount_id(target)))
+                .await
+            {
+                tracing::warn!(error = %e, "cannot delete the mounter secret");
+            }
+        } else if pid > 0 && pid_alive(pid) && is_our_mounter(pid, target) {
             let _ = kill(Pid::from_raw(pid as i32), Signal::SIGTERM);
             if !self.wait_exit(pid, deadline).await {
                 tracing::warn!(pid, "mounter did not stop in time; killing it");
@@ -880,6 +1042,35 @@ impl ProcessMounter {
         }
         Ok(())
     }
+}
+
+/// Watches a mounter Pod from this node: it has exited once its control socket refuses
+/// connections, or once it left a fatal error in the handoff directory. The watch ends
+/// when nobody else holds the returned flag any more (the mount was dropped).
+fn watch_pod(dir: &Path, name: &str) -> Arc<Mutex<Option<String>>> {
+    let exited: Arc<Mutex<Option<String>>> = Arc::new(Mutex::new(None));
+    let flag = exited.clone();
+    let dir = dir.to_path_buf();
+    let name = name.to_string();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(SUPERVISE_EVERY).await;
+            if Arc::strong_count(&flag) == 1 {
+                return;
+            }
+            if let Some(err) = pod::last_error(&dir) {
+                *flag.lock().unwrap() = Some(format!("failed: {err}"));
+                return;
+            }
+            let d = dir.clone();
+            if blocking(move || pod::answers(&d)).await == pod::Answer::Refused {
+                tracing::info!(pod = name, "mounter pod stopped serving");
+                *flag.lock().unwrap() = Some("its control socket is closed".into());
+                return;
+            }
+        }
+    });
+    exited
 }
 
 fn kill9(pid: u32) {
@@ -913,10 +1104,11 @@ impl Mounter for ProcessMounter {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir)
             .map_err(|e| MountError::other(format!("cannot create {}: {e}", dir.display())))?;
-        let child = self.spawn_child(&req, &dir, false)?;
+        let child = self.start_child(&req, &dir, false, 0).await?;
         let mut tracked =
             Tracked::new(req.volume_id.clone(), child.pid, Some(child.exited.clone()));
         tracked.handoff_dir = Some(dir.clone());
+        tracked.pod = child.pod.clone();
         tracked.stopping = true; // not replaceable until it serves
         self.mounts
             .lock()
@@ -953,7 +1145,11 @@ impl Mounter for ProcessMounter {
                 Ok(())
             }
             Err(e) => {
-                kill9(child.pid);
+                self.kill_child(child.pid, child.pod.as_deref()).await;
+                if let Some(pods) = &self.pods {
+                    let secret = pod::PodLauncher::secret_name(&mount_id(&req.target));
+                    let _ = pods.delete_secret(&secret).await;
+                }
                 self.mounts.lock().unwrap().remove(&req.target);
                 let _ = std::fs::remove_dir_all(&dir);
                 Err(e)
@@ -971,11 +1167,16 @@ impl Mounter for ProcessMounter {
             let mut mounts = self.mounts.lock().unwrap();
             mounts.get_mut(target).map(|t| {
                 t.stopping = true;
-                (t.pid, t.exited.clone(), t.handoff_dir.is_some())
+                (
+                    t.pid,
+                    t.exited.clone(),
+                    t.handoff_dir.is_some(),
+                    t.pod.clone(),
+                )
             })
         };
-        if let Some((pid, exited, true)) = tracked.clone() {
-            self.unmount_handoff(target, pid, exited).await?;
+        if let Some((pid, exited, true, pod)) = tracked.clone() {
+            self.unmount_handoff(target, pid, pod, exited).await?;
             // Dropping our descriptor closes the connection for good.
             self.mounts.lock().unwrap().remove(target);
             self.remove_state(target);
@@ -983,7 +1184,7 @@ impl Mounter for ProcessMounter {
         }
         let pid = tracked
             .as_ref()
-            .map(|(p, _, _)| *p)
+            .map(|(p, _, _, _)| *p)
             .filter(|p| *p > 0 && pid_alive(*p) && is_our_mounter(*p, target));
         let deadline = Instant::now() + self.timeouts.unmount;
         if let Some(pid) = pid {
@@ -1013,7 +1214,7 @@ impl Mounter for ProcessMounter {
                 let _ = kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
             }
         }
-        if let Some((_, Some(exited), _)) = tracked {
+        if let Some((_, Some(exited), _, _)) = tracked {
             // Our child: the reaper task collects it; give it a moment to do so.
             let grace = Instant::now() + Duration::from_secs(5);
             while exited.lock().unwrap().is_none() && Instant::now() < grace {

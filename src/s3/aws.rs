@@ -167,6 +167,17 @@ impl AwsClient {
     }
 }
 
+/// Error codes with which S3 refuses the credentials themselves (unknown, revoked or
+/// expired keys, a bad signature), as opposed to a policy denying an allowed identity.
+const CREDENTIAL_CODES: &[&str] = &[
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "TokenRefreshRequired",
+    "InvalidClientTokenId",
+];
+
 /// Maps an SDK failure to our error. Never includes request headers (they carry signatures).
 fn map_err<E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static>(
     err: SdkError<E, aws_sdk_s3::config::http::HttpResponse>,
@@ -174,6 +185,18 @@ fn map_err<E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static>(
     match &err {
         SdkError::TimeoutError(_) => S3Error::Timeout,
         SdkError::DispatchFailure(d) => {
+            // The request was never sent because the credential chain failed (STS refused
+            // the web identity token, no credentials anywhere, ...): say so, not "unreachable".
+            if let Some(cause) = d.as_connector_error().and_then(credentials_failure) {
+                report_access_problem(
+                    "credentials",
+                    &format!(
+                        "could not obtain AWS credentials ({cause}); file operations fail \
+                         with EACCES until the credential source recovers"
+                    ),
+                );
+                return S3Error::AccessDenied(format!("could not obtain AWS credentials: {cause}"));
+            }
             if d.is_timeout() {
                 S3Error::Timeout
             } else {
@@ -191,20 +214,34 @@ fn map_err<E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static>(
             match (code, status) {
                 ("NoSuchKey" | "NotFound", _) => S3Error::NotFound,
                 ("NoSuchBucket", _) => S3Error::NoSuchBucket,
-                (
-                    "AccessDenied"
-                    | "InvalidAccessKeyId"
-                    | "SignatureDoesNotMatch"
-                    | "ExpiredToken"
-                    | "InvalidToken"
-                    | "Forbidden",
-                    _,
-                )
-                | (_, Some(403)) => S3Error::AccessDenied(if code.is_empty() {
-                    "403 Forbidden".to_string()
-                } else {
-                    format!("{code}: {message}")
-                }),
+                (code, _) if CREDENTIAL_CODES.contains(&code) => {
+                    let detail = format!("{code}: {}", clip(&message, 200));
+                    report_access_problem(
+                        code,
+                        &format!(
+                            "S3 rejected our credentials ({detail}); file operations fail with \
+                             EACCES until the AWS credential chain provides valid ones"
+                        ),
+                    );
+                    S3Error::AccessDenied(detail)
+                }
+                ("AccessDenied" | "Forbidden", _) | (_, Some(403)) => {
+                    if code.is_empty() {
+                        // A HEAD answer has no body to name a cause; the LIST sent with
+                        // it (or the next GET) does, and is the one logged.
+                        tracing::debug!("S3 answered 403 Forbidden without an error code");
+                        return S3Error::AccessDenied("403 Forbidden".to_string());
+                    }
+                    let detail = format!("{code}: {}", clip(&message, 200));
+                    report_access_problem(
+                        code,
+                        &format!(
+                            "S3 denied access ({detail}): the credentials are not allowed this \
+                             request; it fails with EACCES"
+                        ),
+                    );
+                    S3Error::AccessDenied(detail)
+                }
                 ("PreconditionFailed", _) | (_, Some(412)) => S3Error::PreconditionFailed,
                 (_, Some(404)) => S3Error::NotFound,
                 (_, _) if code.is_empty() => {
@@ -231,6 +268,81 @@ fn map_err<E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static>(
         SdkError::ConstructionFailure(_) => S3Error::Other("could not build the S3 request".into()),
         _ => S3Error::Other("S3 request failed".into()),
     }
+}
+
+/// At most `max` characters, on one line (line breaks and runs of spaces become one space).
+fn clip(s: &str, max: usize) -> String {
+    s.split(|c: char| c.is_whitespace() || c.is_control())
+        .filter(|w| !w.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ")
+        .chars()
+        .take(max)
+        .collect()
+}
+
+/// Whether `e` is the SDK's `CredentialsError`. aws-credential-types is not a direct
+/// dependency; its error type is named through the provider trait aws-sdk-s3 re-exports.
+fn is_credentials_error(e: &(dyn std::error::Error + 'static)) -> bool {
+    use aws_sdk_s3::config::{ProvideCredentials, SharedCredentialsProvider};
+    fn error_of<'a, F, T, E>(
+        _: fn(&'a SharedCredentialsProvider) -> F,
+        e: &(dyn std::error::Error + 'static),
+    ) -> bool
+    where
+        F: std::future::Future<Output = Result<T, E>>,
+        E: std::error::Error + 'static,
+    {
+        e.is::<E>()
+    }
+    error_of(
+        <SharedCredentialsProvider as ProvideCredentials>::provide_credentials,
+        e,
+    )
+}
+
+/// If a request failed before sending because no credentials could be obtained, the cause
+/// as one line (the credential error and what it says about its source). Credentials
+/// redact themselves in errors; the text is clipped all the same.
+fn credentials_failure(d: &aws_sdk_s3::error::ConnectorError) -> Option<String> {
+    use std::error::Error;
+    let mut cur: Option<&(dyn Error + 'static)> = d.source();
+    while let Some(e) = cur {
+        // The identity cache's own limit on loading credentials.
+        if is_credentials_error(e) || e.to_string().starts_with("identity resolver timed out") {
+            let mut parts: Vec<String> = Vec::new();
+            let mut next: Option<&(dyn Error + 'static)> = Some(e);
+            while let Some(x) = next {
+                let text = x.to_string();
+                if !text.is_empty() && !parts.iter().any(|p| p.contains(&text)) {
+                    parts.push(text);
+                }
+                next = x.source();
+            }
+            return Some(clip(&parts.join(": "), 400));
+        }
+        cur = e.source();
+    }
+    None
+}
+
+/// One error line for a refused or missing identity, at most once a minute per cause: when
+/// credentials expire, every file operation fails the same way, and the operator needs the
+/// reason once, not a line per `stat`.
+fn report_access_problem(cause: &str, line: &str) {
+    use std::sync::Mutex;
+    use std::time::Instant;
+    static LAST: Mutex<Vec<(String, Instant)>> = Mutex::new(Vec::new());
+    const EVERY: Duration = Duration::from_secs(60);
+    let mut last = LAST.lock().unwrap_or_else(|p| p.into_inner());
+    let now = Instant::now();
+    match last.iter_mut().find(|(c, _)| c == cause) {
+        Some((_, at)) if now.duration_since(*at) < EVERY => return,
+        Some((_, at)) => *at = now,
+        None => last.push((cause.to_string(), now)),
+    }
+    drop(last);
+    tracing::error!("{line}");
 }
 
 fn to_meta(

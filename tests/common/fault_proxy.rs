@@ -94,6 +94,12 @@ impl Req {
 
 pub type Matcher = Arc<dyn Fn(&Req) -> bool + Send + Sync>;
 
+/// Sees every request once its body has arrived: its headers and body (raw, as framed),
+/// which it may rewrite (the `Content-Length` is fixed up for unchunked bodies). Returning a
+/// raw HTTP response answers with it instead of forwarding (and instead of any fault).
+pub type Hook =
+    Arc<dyn Fn(&Req, &[(String, String)], &mut Vec<u8>) -> Option<Vec<u8>> + Send + Sync>;
+
 pub struct Rule {
     pub matcher: Matcher,
     /// Probability of firing for a matching request, 0.0..=1.0.
@@ -153,6 +159,7 @@ pub struct FaultProxy {
     rules: Mutex<Vec<Arc<Rule>>>,
     enabled: AtomicBool,
     rng: Mutex<u64>,
+    hook: Mutex<Option<Hook>>,
     pub stats: Stats,
 }
 
@@ -182,6 +189,7 @@ impl FaultProxy {
             rules: Mutex::new(Vec::new()),
             enabled: AtomicBool::new(false),
             rng: Mutex::new(seed),
+            hook: Mutex::new(None),
             stats: Stats::default(),
         });
         let p = proxy.clone();
@@ -208,6 +216,17 @@ impl FaultProxy {
         let rule = Arc::new(rule);
         self.rules.lock().unwrap().push(rule.clone());
         rule
+    }
+
+    /// Installs the request hook (see [`Hook`]), replacing any earlier one.
+    pub fn set_hook(
+        &self,
+        hook: impl Fn(&Req, &[(String, String)], &mut Vec<u8>) -> Option<Vec<u8>>
+            + Send
+            + Sync
+            + 'static,
+    ) {
+        *self.hook.lock().unwrap() = Some(Arc::new(hook));
     }
 
     pub fn clear_rules(&self) {
@@ -303,13 +322,20 @@ impl FaultProxy {
                 reset(client.into_inner());
                 return Ok(());
             }
-            let body = if chunked {
+            let mut body = if chunked {
                 read_chunked(&mut client).await?
             } else {
                 let mut b = vec![0u8; length as usize];
                 client.read_exact(&mut b).await?;
                 b
             };
+            let hook = self.hook.lock().unwrap().clone();
+            if let Some(hook) = hook {
+                if let Some(answer) = hook(&req, &headers, &mut body) {
+                    client.get_mut().write_all(&answer).await?;
+                    continue;
+                }
+            }
             match fault {
                 Some(Fault::Error500) | Some(Fault::SlowDown503) => {
                     let (status, code, msg) = if fault == Some(Fault::Error500) {
@@ -365,6 +391,13 @@ impl FaultProxy {
             for line in head.split(|b| *b == b'\n') {
                 let l = String::from_utf8_lossy(line);
                 if l.to_ascii_lowercase().starts_with("expect:") {
+                    continue;
+                }
+                if !chunked
+                    && body.len() as u64 != length
+                    && l.to_ascii_lowercase().starts_with("content-length:")
+                {
+                    out.extend_from_slice(format!("Content-Length: {}\r\n", body.len()).as_bytes());
                     continue;
                 }
                 if line.is_empty() || line == b"\r" {
@@ -471,7 +504,11 @@ async fn read_head<R: AsyncBufReadExt + Unpin>(r: &mut R) -> std::io::Result<Opt
     }
 }
 
-fn parse_head(head: &[u8]) -> std::io::Result<(String, String, Vec<(String, String)>)> {
+/// The first line's first two words (method and target, or version and status) and the
+/// headers.
+type Head = (String, String, Vec<(String, String)>);
+
+fn parse_head(head: &[u8]) -> std::io::Result<Head> {
     let text = String::from_utf8_lossy(head);
     let mut lines = text.split("\r\n");
     let first = lines.next().unwrap_or("");

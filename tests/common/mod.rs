@@ -2,7 +2,9 @@
 //! binary, plus helpers to create buckets and run real `s3csi mount` processes.
 #![allow(dead_code)]
 
+pub mod fake_kube;
 pub mod fault_proxy;
+pub mod node_service;
 
 use s3csi::s3::aws::{AwsClient, Endpoint};
 use std::net::TcpListener;
@@ -73,6 +75,51 @@ pub fn s3() -> &'static S3Server {
             _child: child,
         }
     })
+}
+
+/// A moto server of a test's own (e.g. one that enforces IAM authentication), killed on
+/// drop or when the test thread that started it exits.
+pub struct OwnMoto {
+    pub endpoint: String,
+    child: Child,
+}
+
+impl OwnMoto {
+    pub fn start(env: &[(&str, &str)]) -> OwnMoto {
+        let port = free_port();
+        let bin = std::env::var("MOTO_SERVER").unwrap_or_else(|_| "moto_server".into());
+        let mut cmd = Command::new(&bin);
+        cmd.args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .envs(env.iter().copied())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        unsafe {
+            use std::os::unix::process::CommandExt;
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {bin} (pip install 'moto[server]'): {e}"));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "moto_server did not start");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        OwnMoto {
+            endpoint: format!("http://127.0.0.1:{port}"),
+            child,
+        }
+    }
+}
+
+impl Drop for OwnMoto {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 /// Environment every S3 client in tests uses: static test keys, a region.
@@ -174,6 +221,18 @@ impl Mount {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Result<Mount, String> {
+        Self::try_start_env(endpoint, bucket, extra, env, &[])
+    }
+
+    /// Like [`Mount::try_start_with`], and without the inherited variables `remove` (e.g.
+    /// the static test keys, so that the mount takes its credentials from web identity).
+    pub fn try_start_env(
+        endpoint: &str,
+        bucket: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        remove: &[&str],
+    ) -> Result<Mount, String> {
         set_test_env();
         let dir = scratch_dir("mnt");
         let log = dir.with_extension("log");
@@ -189,6 +248,9 @@ impl Mount {
             .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(logf);
+        for var in remove {
+            cmd.env_remove(var);
+        }
         let mut child = cmd.spawn().map_err(|e| e.to_string())?;
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {

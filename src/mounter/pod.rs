@@ -1,0 +1,511 @@
+//! Pod mode: each mounter runs in a Pod of its own, created by the node service through
+//! the Kubernetes API, so that restarting or upgrading the node plugin's Pod (which kills
+//! every process it started) leaves the mounters serving.
+//!
+//! The node service still mounts by descriptor ([`super::handoff`]): the mounter Pod gets
+//! the mount's handoff directory (a hostPath under the node service's state directory,
+//! mounted at the same path) and waits there for the `/dev/fuse` descriptor, so it needs
+//! no privilege, no `/dev/fuse` and no capabilities.
+//!
+//! What the node service asks for, per mount:
+//! - Pod `s3csi-mounter-<mount>-<generation>` in the driver's namespace, labelled with the
+//!   node and the mount (so a restarted node service finds its Pods), owned by the Node
+//!   (deleting the Node garbage-collects its mounters; deleting the node plugin does not),
+//!   pinned to this node by node affinity on `metadata.name`, tolerating every taint,
+//!   `restartPolicy: Never` (a dead mounter is replaced by the node service, which must
+//!   hand the replacement the descriptor), unprivileged: all capabilities dropped, no
+//!   privilege escalation, read-only root file system, no service-account token (the AWS
+//!   SDK's web-identity token for IRSA is a separate projected volume);
+//! - Secret `s3csi-mounter-<mount>` when the volume came with static credentials, read by
+//!   the Pod through `secretKeyRef`, so credentials never appear in the Pod object.
+//!
+//! A mounter Pod is considered gone once its control socket refuses connections (its
+//! process exited; the node service removes a dead mounter's socket before starting the
+//! next one), or it left `last-error` in the handoff directory.
+//! No API polling is needed for that: the socket is on this node.
+
+use super::{handoff, FailureKind, MountError, MountRequest};
+use k8s_openapi::api::core::v1::{Node, Pod, ResourceRequirements, Secret};
+use kube::api::{DeleteParams, ListParams, PostParams};
+use kube::{Api, Client};
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// The file a mounter in handoff mode writes its fatal error to before it exits (its
+/// stderr belongs to the container runtime in pod mode).
+pub const LAST_ERROR_FILE: &str = "last-error";
+
+pub const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+pub const LABEL_NAME: &str = "app.kubernetes.io/name";
+pub const LABEL_NODE: &str = "s3csi.dev/node";
+pub const LABEL_MOUNT: &str = "s3csi.dev/mount";
+const MANAGER: &str = "s3csi";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum MounterMode {
+    /// Mounters are children of the node service (outside Kubernetes, tests).
+    Process,
+    /// One mounter Pod per volume, created through the Kubernetes API.
+    Pod,
+}
+
+/// The node service's mounter flags (the chart's `mounter` values).
+#[derive(Debug, Clone, clap::Args)]
+pub struct MounterArgs {
+    /// Where mounters run: `process` (children of the node service) or `pod` (one Pod per
+    /// volume on this node, which outlives restarts and upgrades of the node plugin)
+    #[arg(long, value_enum, default_value = "process")]
+    pub mounter: MounterMode,
+    /// (pod mode) Image of the mounter Pods, normally the driver's own
+    #[arg(long, env = "S3CSI_MOUNTER_IMAGE")]
+    pub mounter_image: Option<String>,
+    /// (pod mode) imagePullPolicy of the mounter Pods
+    #[arg(long, default_value = "IfNotPresent", value_parser = ["Always", "IfNotPresent", "Never"])]
+    pub mounter_image_pull_policy: String,
+    /// (pod mode) The s3csi binary inside the image
+    #[arg(long, default_value = "/usr/local/bin/s3csi")]
+    pub mounter_command: String,
+    /// (pod mode) Namespace of the mounter Pods (the node plugin's own, from the downward API)
+    #[arg(long, env = "POD_NAMESPACE")]
+    pub mounter_namespace: Option<String>,
+    /// (pod mode) Service account of the mounter Pods: the one whose IAM role (IRSA, EKS
+    /// Pod Identity) reaches the buckets
+    #[arg(long)]
+    pub mounter_service_account: Option<String>,
+    /// (pod mode) priorityClassName of the mounter Pods
+    #[arg(long)]
+    pub mounter_priority_class: Option<String>,
+    /// (pod mode) Resources of the mounter container, as a JSON ResourceRequirements object,
+    /// e.g. {"requests":{"memory":"128Mi"},"limits":{"memory":"1Gi"}}
+    #[arg(long, default_value = "{}", value_parser = parse_resources)]
+    pub mounter_resources: ResourceRequirements,
+    /// (pod mode) Seconds a mounter Pod gets to complete its uploads when it is deleted
+    #[arg(long, default_value = "30")]
+    pub mounter_grace_seconds: u32,
+}
+
+fn parse_resources(text: &str) -> Result<ResourceRequirements, String> {
+    serde_json::from_str(text).map_err(|e| format!("not a ResourceRequirements object: {e}"))
+}
+
+impl MounterArgs {
+    /// The Pod settings for pod mode, None in process mode.
+    pub fn pod_settings(&self, node_name: &str) -> Result<Option<PodSettings>, String> {
+        if self.mounter == MounterMode::Process {
+            return Ok(None);
+        }
+        let image = self
+            .mounter_image
+            .clone()
+            .filter(|i| !i.is_empty())
+            .ok_or("--mounter=pod needs --mounter-image")?;
+        let namespace = self
+            .mounter_namespace
+            .clone()
+            .filter(|n| !n.is_empty())
+            .ok_or("--mounter=pod needs --mounter-namespace (or POD_NAMESPACE)")?;
+        Ok(Some(PodSettings {
+            namespace,
+            node_name: node_name.to_string(),
+            image,
+            image_pull_policy: self.mounter_image_pull_policy.clone(),
+            command: self.mounter_command.clone(),
+            service_account: self.mounter_service_account.clone(),
+            priority_class: self.mounter_priority_class.clone(),
+            resources: self.mounter_resources.clone(),
+            termination_grace_seconds: self.mounter_grace_seconds,
+        }))
+    }
+}
+
+/// What a mounter Pod looks like.
+#[derive(Debug, Clone)]
+pub struct PodSettings {
+    pub namespace: String,
+    pub node_name: String,
+    pub image: String,
+    pub image_pull_policy: String,
+    /// The binary inside the image.
+    pub command: String,
+    pub service_account: Option<String>,
+    pub priority_class: Option<String>,
+    pub resources: ResourceRequirements,
+    pub termination_grace_seconds: u32,
+}
+
+pub struct PodLauncher {
+    pods: Api<Pod>,
+    secrets: Api<Secret>,
+    settings: PodSettings,
+    node_uid: Option<String>,
+}
+
+/// Credentials that may be handed to a mounter, as environment variable names.
+const CREDENTIAL_KEYS: [&str; 3] = [
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+];
+
+fn api_error(what: &str, e: kube::Error) -> MountError {
+    let kind = match &e {
+        kube::Error::Api(s) if s.code == 403 => FailureKind::PermissionDenied,
+        _ => FailureKind::Other,
+    };
+    MountError {
+        kind,
+        message: format!("{what}: {e}"),
+    }
+}
+
+fn is_status(e: &kube::Error, code: u16) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == code)
+}
+
+impl PodLauncher {
+    /// Connects with the usual configuration (KUBECONFIG, else in-cluster) and looks up
+    /// this node, which owns the mounter Pods.
+    pub async fn connect(settings: PodSettings) -> Result<Self, String> {
+        let client = Client::try_default()
+            .await
+            .map_err(|e| format!("cannot reach the Kubernetes API server: {e}"))?;
+        let node_uid = match Api::<Node>::all(client.clone())
+            .get(&settings.node_name)
+            .await
+        {
+            Ok(node) => node.metadata.uid,
+            Err(e) => {
+                // Pods still work without an owner; the node service cleans them up itself.
+                tracing::warn!(node = settings.node_name, error = %e,
+                    "cannot read this node's object; mounter pods will have no owner");
+                None
+            }
+        };
+        Ok(Self {
+            pods: Api::namespaced(client.clone(), &settings.namespace),
+            secrets: Api::namespaced(client, &settings.namespace),
+            settings,
+            node_uid,
+        })
+    }
+
+    pub fn settings(&self) -> &PodSettings {
+        &self.settings
+    }
+
+    pub fn pod_name(mount: &str, generation: u32) -> String {
+        format!("s3csi-mounter-{mount}-{generation}")
+    }
+
+    pub fn secret_name(mount: &str) -> String {
+        format!("s3csi-mounter-{mount}")
+    }
+
+    fn labels(&self, mount: &str) -> serde_json::Value {
+        json!({
+            LABEL_NAME: "s3csi-mounter",
+            LABEL_MANAGED_BY: MANAGER,
+            LABEL_NODE: label_value(&self.settings.node_name),
+            LABEL_MOUNT: mount,
+        })
+    }
+
+    fn selector(&self) -> String {
+        format!(
+            "{LABEL_MANAGED_BY}={MANAGER},{LABEL_NODE}={}",
+            label_value(&self.settings.node_name)
+        )
+    }
+
+    fn owner(&self) -> serde_json::Value {
+        match &self.node_uid {
+            Some(uid) => json!([{
+                "apiVersion": "v1",
+                "kind": "Node",
+                "name": self.settings.node_name,
+                "uid": uid,
+            }]),
+            None => json!([]),
+        }
+    }
+
+    /// The Pod that runs `s3csi mount --handoff-dir DIR ... SOURCE TARGET` for `req`.
+    pub fn pod_manifest(
+        &self,
+        req: &MountRequest,
+        mount: &str,
+        dir: &Path,
+        recover: bool,
+        generation: u32,
+        secret: Option<&str>,
+    ) -> Result<Pod, MountError> {
+        let s = &self.settings;
+        let dir_text = dir.to_string_lossy();
+        let mut args = vec![
+            "mount".to_string(),
+            "--foreground".into(),
+            "--handoff-dir".into(),
+            dir_text.to_string(),
+        ];
+        if recover {
+            args.push("--recover".into());
+        }
+        args.extend(req.args.iter().cloned());
+        args.push(req.source.clone());
+        args.push(req.target.to_string_lossy().into_owned());
+        let env: Vec<serde_json::Value> = match secret {
+            Some(name) => CREDENTIAL_KEYS
+                .iter()
+                .map(|k| {
+                    json!({"name": k, "valueFrom": {"secretKeyRef": {
+                        "name": name, "key": k, "optional": true}}})
+                })
+                .collect(),
+            None => vec![],
+        };
+        let mut spec = json!({
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": false,
+            "terminationGracePeriodSeconds": s.termination_grace_seconds,
+            "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchFields": [{
+                    "key": "metadata.name", "operator": "In", "values": [s.node_name]}]}]}}},
+            "tolerations": [{"operator": "Exists"}],
+            "containers": [{
+                "name": "mounter",
+                "image": s.image,
+                "imagePullPolicy": s.image_pull_policy,
+                "command": [s.command],
+                "args": args,
+                "env": env,
+                "resources": s.resources,
+                "securityContext": {
+                    "privileged": false,
+                    "allowPrivilegeEscalation": false,
+                    "readOnlyRootFilesystem": true,
+                    "capabilities": {"drop": ["ALL"]},
+                },
+                "volumeMounts": [{"name": "handoff", "mountPath": dir_text}],
+            }],
+            "volumes": [{"name": "handoff", "hostPath": {"path": dir_text, "type": "Directory"}}],
+        });
+        if let Some(sa) = &s.service_account {
+            spec["serviceAccountName"] = json!(sa);
+        }
+        if let Some(pc) = &s.priority_class {
+            spec["priorityClassName"] = json!(pc);
+        }
+        let pod = json!({
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": Self::pod_name(mount, generation),
+                "namespace": s.namespace,
+                "labels": self.labels(mount),
+                "annotations": {
+                    "s3csi.dev/volume-id": req.volume_id,
+                    "s3csi.dev/target": req.target.to_string_lossy(),
+                    "s3csi.dev/generation": generation.to_string(),
+                },
+                "ownerReferences": self.owner(),
+            },
+            "spec": spec,
+        });
+        serde_json::from_value(pod)
+            .map_err(|e| MountError::other(format!("cannot build the mounter pod: {e}")))
+    }
+
+    /// Creates (or recreates) the credentials Secret of a mount.
+    async fn put_secret(
+        &self,
+        mount: &str,
+        env: &[(&'static str, String)],
+    ) -> Result<String, MountError> {
+        let name = Self::secret_name(mount);
+        let data: BTreeMap<&str, &str> = env
+            .iter()
+            .filter(|(k, _)| CREDENTIAL_KEYS.contains(k))
+            .map(|(k, v)| (*k, v.as_str()))
+            .collect();
+        let secret: Secret = serde_json::from_value(json!({
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": name, "namespace": self.settings.namespace,
+                         "labels": self.labels(mount), "ownerReferences": self.owner()},
+            "type": "Opaque",
+            "stringData": data,
+        }))
+        .map_err(|e| MountError::other(format!("cannot build the mounter secret: {e}")))?;
+        match self.secrets.create(&PostParams::default(), &secret).await {
+            Ok(_) => Ok(name),
+            Err(e) if is_status(&e, 409) => {
+                // Left by an earlier mount of the same target: its keys may be stale.
+                self.delete_secret(&name).await?;
+                self.secrets
+                    .create(&PostParams::default(), &secret)
+                    .await
+                    .map_err(|e| api_error("cannot create the mounter secret", e))?;
+                Ok(name)
+            }
+            Err(e) => Err(api_error("cannot create the mounter secret", e)),
+        }
+    }
+
+    /// Starts the mounter Pod of `mount`. With credentials in `req.env` they go to a fresh
+    /// Secret; without (a replacement), the mount's existing Secret is used if it has one.
+    pub async fn start(
+        &self,
+        req: &MountRequest,
+        mount: &str,
+        dir: &Path,
+        recover: bool,
+        generation: u32,
+    ) -> Result<String, MountError> {
+        let _ = std::fs::remove_file(dir.join(LAST_ERROR_FILE));
+        let secret = if !req.env.is_empty() {
+            Some(self.put_secret(mount, &req.env).await?)
+        } else {
+            let name = Self::secret_name(mount);
+            match self.secrets.get_opt(&name).await {
+                Ok(Some(_)) => Some(name),
+                Ok(None) => None,
+                Err(e) => return Err(api_error("cannot read the mounter secret", e)),
+            }
+        };
+        let pod = self.pod_manifest(req, mount, dir, recover, generation, secret.as_deref())?;
+        let name = Self::pod_name(mount, generation);
+        match self.pods.create(&PostParams::default(), &pod).await {
+            Ok(_) => {}
+            Err(e) if is_status(&e, 409) => {
+                // A Pod of the same generation outlived its node service: it cannot hold
+                // our descriptor, so it goes.
+                self.delete_pod(&name, 0).await?;
+                self.pods
+                    .create(&PostParams::default(), &pod)
+                    .await
+                    .map_err(|e| api_error("cannot create the mounter pod", e))?;
+            }
+            Err(e) => return Err(api_error("cannot create the mounter pod", e)),
+        }
+        tracing::info!(
+            pod = name,
+            namespace = self.settings.namespace,
+            recover,
+            "created mounter pod"
+        );
+        Ok(name)
+    }
+
+    /// Deletes a Pod (`grace` seconds for its SIGTERM: the mounter completes uploads).
+    /// A Pod that is already gone is fine.
+    pub async fn delete_pod(&self, name: &str, grace: u32) -> Result<(), MountError> {
+        let params = DeleteParams {
+            grace_period_seconds: Some(grace),
+            ..Default::default()
+        };
+        match self.pods.delete(name, &params).await {
+            Ok(_) => Ok(()),
+            Err(e) if is_status(&e, 404) => Ok(()),
+            Err(e) => Err(api_error("cannot delete the mounter pod", e)),
+        }
+    }
+
+    pub async fn delete_secret(&self, name: &str) -> Result<(), MountError> {
+        match self.secrets.delete(name, &DeleteParams::default()).await {
+            Ok(_) => Ok(()),
+            Err(e) if is_status(&e, 404) => Ok(()),
+            Err(e) => Err(api_error("cannot delete the mounter secret", e)),
+        }
+    }
+
+    /// Names of this node's mounter Pods and Secrets, with the mount each belongs to.
+    pub async fn list_managed(
+        &self,
+    ) -> Result<(Vec<(String, String)>, Vec<(String, String)>), MountError> {
+        let params = ListParams::default().labels(&self.selector());
+        let mount_of = |m: &kube::api::ObjectMeta| {
+            (
+                m.name.clone().unwrap_or_default(),
+                m.labels
+                    .as_ref()
+                    .and_then(|l| l.get(LABEL_MOUNT).cloned())
+                    .unwrap_or_default(),
+            )
+        };
+        let pods = self
+            .pods
+            .list(&params)
+            .await
+            .map_err(|e| api_error("cannot list mounter pods", e))?
+            .items
+            .iter()
+            .map(|p| mount_of(&p.metadata))
+            .collect();
+        let secrets = self
+            .secrets
+            .list(&params)
+            .await
+            .map_err(|e| api_error("cannot list mounter secrets", e))?
+            .items
+            .iter()
+            .map(|s| mount_of(&s.metadata))
+            .collect();
+        Ok((pods, secrets))
+    }
+}
+
+/// A label value from a node name: node names are DNS subdomains (≤ 253 characters), label
+/// values are at most 63.
+fn label_value(s: &str) -> String {
+    if s.len() <= 63 {
+        return s.to_string();
+    }
+    let mut h: u64 = 0xcbf29ce484222325;
+    for b in s.bytes() {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    format!("{}-{h:016x}", &s[..46])
+}
+
+/// Reads and removes nothing: the fatal error a mounter left in its handoff directory.
+pub fn last_error(dir: &Path) -> Option<String> {
+    std::fs::read_to_string(dir.join(LAST_ERROR_FILE))
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+}
+
+/// What the control socket of a mounter says about it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Answer {
+    /// It answered a PING.
+    Serving,
+    /// The socket file exists but nobody listens: the mounter process is gone.
+    Refused,
+    /// No socket yet: the mounter has not started listening.
+    Absent,
+    /// It did not answer in time (busy), or something else went wrong.
+    Unknown,
+}
+
+/// Asks the mounter behind `dir` whether it is there.
+pub fn answers(dir: &Path) -> Answer {
+    use std::io::ErrorKind;
+    match handoff::connect(dir, std::time::Duration::from_secs(2)) {
+        Ok(s) => {
+            let ok = handoff::send(&s, "PING", None)
+                .and_then(|_| handoff::recv(&s))
+                .is_ok_and(|(line, _)| line.starts_with("OK pid="));
+            if ok {
+                Answer::Serving
+            } else {
+                Answer::Unknown
+            }
+        }
+        Err(e) if e.kind() == ErrorKind::ConnectionRefused => Answer::Refused,
+        Err(e) if e.kind() == ErrorKind::NotFound => Answer::Absent,
+        Err(_) => Answer::Unknown,
+    }
+}
