@@ -392,7 +392,7 @@ impl Fsx<'_> {
                 self.count("refused: links");
                 self.check_file(&link);
             }
-            5 | 6 | 7 => {
+            5..=7 => {
                 // A writer in progress: a second writer gets EBUSY, rename gets EBUSY, a
                 // read through the writing descriptor EOPNOTSUPP; then close commits.
                 let rel = self.random_file_path();

@@ -206,7 +206,9 @@ fn what_the_node_validates_is_what_the_mounter_runs() {
     let (mut ok, mut err) = (0, 0);
     let secret = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYSECRETKEY";
     // Fixed cases first: PV mount options that contradict what the driver derives.
-    let fixed: Vec<(Vec<(&str, &str)>, Vec<&str>)> = vec![
+    // (volume context, PV mount options)
+    type Case<'a> = (Vec<(&'a str, &'a str)>, Vec<&'a str>);
+    let fixed: Vec<Case> = vec![
         (
             vec![("endpointUrl", "http://a.example")],
             vec!["endpoint-url=http://b.example"],

@@ -187,6 +187,7 @@ fn pod_mode_mounter_pods_are_created_replaced_adopted_and_deleted() {
         "{handoff_dir}"
     );
     check_pod(&pods[0], &kube, &handoff_dir);
+    eprintln!("[pod mode] published {bucket}: mounter pod {pod0} serves the node's mount");
     // The credentials went to a Secret of the mount, labelled like its Pods.
     let secrets = kube.secrets();
     assert_eq!(secrets.len(), 1, "{secrets:?}");
@@ -201,14 +202,20 @@ fn pod_mode_mounter_pods_are_created_replaced_adopted_and_deleted() {
     // The workload, served by the mounter Pod (which got its keys from the Secret only).
     std::fs::write(target.join("before.txt"), b"written before").unwrap();
     assert_eq!(wait_for_object(&bucket, "before.txt"), b"written before");
+    eprintln!("[pod mode] wrote before.txt through the mount; it is in S3");
 
     // The mounter Pod's process dies: a replacement Pod gets the same descriptor.
     let pid0 = kube.pid_of(&pod0).expect("the mounter pod runs");
+    let killed = Instant::now();
     unsafe {
         libc::kill(pid0 as i32, libc::SIGKILL);
     }
     let abnormal = rt.block_on(wait_replaced(&mut node, &bucket, &target, 1));
-    eprintln!("conditions while replacing: {abnormal:?}");
+    eprintln!(
+        "[pod mode] kill -9 of the mounter pod's process {pid0}: serving again after {} ms; \
+         NodeGetVolumeStats on the way: {abnormal:?}",
+        killed.elapsed().as_millis()
+    );
     let log = first.log_text();
     assert!(
         log.contains("mounter died; starting a replacement")
@@ -233,11 +240,15 @@ fn pod_mode_mounter_pods_are_created_replaced_adopted_and_deleted() {
     );
     std::fs::write(target.join("after-crash.txt"), b"2").unwrap();
     assert_eq!(wait_for_object(&bucket, "after-crash.txt"), b"2");
+    eprintln!(
+        "[pod mode] replacement pod {pod1} (--recover): before.txt reads back, after-crash.txt written and in S3"
+    );
 
     // The node service dies (its Pod restarted or upgraded): the mounter Pod serves on.
     first.kill9();
     std::fs::write(target.join("during.txt"), b"3").unwrap();
     assert_eq!(wait_for_object(&bucket, "during.txt"), b"3");
+    eprintln!("[pod mode] kill -9 of the node service: during.txt written with no node service running; in S3");
     let second = start_node_service(&dir, &kube);
     let log = second.log_text();
     assert!(
@@ -245,6 +256,7 @@ fn pod_mode_mounter_pods_are_created_replaced_adopted_and_deleted() {
         "{log}"
     );
     let mut node = rt.block_on(second.node());
+    eprintln!("[pod mode] new node service adopted {pod1} and collected its descriptor");
     // The adopted mount's Pod stays; nothing else was deleted at this start.
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(pod_names(&kube), vec![pod1.clone()]);
@@ -259,6 +271,7 @@ fn pod_mode_mounter_pods_are_created_replaced_adopted_and_deleted() {
     assert_eq!(std::fs::read(target.join("during.txt")).unwrap(), b"3");
     let pod2 = pod_names(&kube)[0].clone();
     assert!(pod2.ends_with("-2"), "{pod2}");
+    eprintln!("[pod mode] kill -9 of {pod1}: the new node service replaced it with {pod2}; during.txt reads back");
 
     // Unpublish: the Pod is deleted with a grace period (the mounter completes uploads
     // on SIGTERM), then its Secret; the target is unmounted.
@@ -280,6 +293,10 @@ fn pod_mode_mounter_pods_are_created_replaced_adopted_and_deleted() {
     });
     let log = second.log_text();
     assert!(!log.contains(SECRET), "{log}");
+    eprintln!(
+        "[pod mode] unpublished: {pod2} deleted with a {}s grace period, its Secret deleted, target unmounted",
+        body["gracePeriodSeconds"]
+    );
     drop(second);
     drop(first);
     cleanup(&dir);
