@@ -7,125 +7,40 @@
 
 mod common;
 
-use common::{is_mountpoint, new_bucket, s3, s3csi_bin, scratch_dir};
-use s3csi::csi::pb::controller_client::ControllerClient;
-use s3csi::csi::pb::identity_client::IdentityClient;
-use s3csi::csi::pb::node_client::NodeClient;
+use common::node_service::{CsiServer, Mode};
+use common::{is_mountpoint, new_bucket, scratch_dir};
 use s3csi::csi::pb::{self, volume_capability as vc};
 use s3csi::s3::ObjectClient;
 use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::time::{Duration, Instant};
-use tonic::transport::Channel;
 use tonic::Code;
 
 const SECRET: &str = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYBADINPUTKEY";
 const AKID: &str = "AKIDBADINPUT";
 
-struct Server {
-    child: Child,
-    dir: PathBuf,
-    kubelet: PathBuf,
-    socket: PathBuf,
-    log: PathBuf,
+/// Node and controller in one process, with `--kubelet-dir` set and debug logs.
+fn start() -> CsiServer {
+    CsiServer::options(scratch_dir("badcsi"))
+        .mode(Mode::All)
+        .node_id("bad-node")
+        .kubelet_dir()
+        .env("RUST_LOG", "debug")
+        .start()
 }
 
-impl Server {
-    fn start() -> Server {
-        common::set_test_env();
-        let dir = scratch_dir("badcsi");
-        let kubelet = dir.join("kubelet");
-        std::fs::create_dir_all(kubelet.join("pods")).unwrap();
-        let socket = dir.join("plugin").join("csi.sock");
-        let log = dir.join("server.log");
-        let child = Command::new(s3csi_bin())
-            .arg("csi")
-            .args(["--endpoint", &format!("unix://{}", socket.display())])
-            .args(["--node-id", "bad-node", "--mode", "all"])
-            .arg("--state-dir")
-            .arg(dir.join("state"))
-            .arg("--kubelet-dir")
-            .arg(&kubelet)
-            .args([
-                "--s3-endpoint-url",
-                &s3().endpoint,
-                "--s3-region",
-                "us-east-1",
-            ])
-            .arg("--s3-force-path-style")
-            .args(["--unmount-timeout", "10"])
-            .env("RUST_LOG", "debug")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-            assert!(Instant::now() < deadline, "csi server did not start");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Server {
-            child,
-            dir,
-            kubelet,
-            socket,
-            log,
-        }
-    }
-
-    async fn channel(&self) -> Channel {
-        tonic::transport::Endpoint::from_shared(format!("unix://{}", self.socket.display()))
-            .unwrap()
-            .connect()
-            .await
-            .unwrap()
-    }
-
-    fn target(&self, pod: &str) -> PathBuf {
-        let p = self.kubelet.join("pods").join(pod).join("volumes");
-        std::fs::create_dir_all(&p).unwrap();
-        p.join("mount")
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// Still alive and answering.
-    async fn assert_serving(&mut self) {
-        assert!(
-            self.child.try_wait().unwrap().is_none(),
-            "the server exited"
-        );
-        let probe = IdentityClient::new(self.channel().await)
-            .probe(pb::ProbeRequest {})
-            .await
-            .unwrap()
-            .into_inner();
-        assert_eq!(probe.ready, Some(true));
-        assert!(!self.log_text().contains("panicked"), "{}", self.log_text());
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while self.child.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let prefix = self.dir.to_string_lossy().to_string();
-        let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-        for mp in info.lines().filter_map(|l| l.split(' ').nth(4)) {
-            if mp.starts_with(&prefix) {
-                let _ = Command::new("umount").arg("-l").arg(mp).status();
-            }
-        }
-    }
+/// Still alive and answering.
+async fn assert_serving(server: &mut CsiServer) {
+    assert!(server.is_running(), "the server exited");
+    let mut id = server.identity().await;
+    let probe = id.probe(pb::ProbeRequest {}).await.unwrap().into_inner();
+    assert_eq!(probe.ready, Some(true));
+    assert!(
+        !server.log_text().contains("panicked"),
+        "{}",
+        server.log_text()
+    );
 }
 
 fn cap(flags: &[&str], mode: vc::access_mode::Mode, group: &str) -> pb::VolumeCapability {
@@ -151,12 +66,12 @@ fn big(n: usize) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_node_requests_get_the_right_code_and_never_panic() {
-    let mut server = Server::start();
+    let mut server = start();
     let bucket = new_bucket("badnode");
-    let mut node = NodeClient::new(server.channel().await);
+    let mut node = server.node().await;
     let target = server.target("p1");
     let t = target.to_string_lossy().to_string();
-    let kubelet = server.kubelet.to_string_lossy().to_string();
+    let kubelet = server.kubelet_dir().unwrap().to_string_lossy().to_string();
     let base = pb::NodePublishVolumeRequest {
         volume_id: bucket.clone(),
         target_path: t.clone(),
@@ -542,7 +457,7 @@ async fn malformed_node_requests_get_the_right_code_and_never_panic() {
             .unwrap_err();
         assert_eq!(err.code(), code, "stats {id:?} {path:?}: {err:?}");
     }
-    server.assert_serving().await;
+    assert_serving(&mut server).await;
     eprintln!(
         "bad node requests: {n} publish cases, 5 unpublish, 4 stats, 1 oversized: all refused"
     );
@@ -550,7 +465,7 @@ async fn malformed_node_requests_get_the_right_code_and_never_panic() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_controller_requests_get_the_right_code_and_delete_nothing() {
-    let mut server = Server::start();
+    let mut server = start();
     let bucket = new_bucket("badctl");
     common::set_test_env();
     let c = s3csi::s3::aws::AwsClient::new(&bucket, &common::endpoint()).await;
@@ -560,7 +475,7 @@ async fn malformed_controller_requests_get_the_right_code_and_delete_nothing() {
     c.put_object("vol/a", bytes::Bytes::from_static(b"a"))
         .await
         .unwrap();
-    let mut ctl = ControllerClient::new(server.channel().await);
+    let mut ctl = server.controller().await;
     let params = HashMap::from([("bucket".to_string(), bucket.clone())]);
     let base = pb::CreateVolumeRequest {
         name: "pvc-1".into(),
@@ -688,14 +603,14 @@ async fn malformed_controller_requests_get_the_right_code_and_delete_nothing() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::NotFound);
-    server.assert_serving().await;
+    assert_serving(&mut server).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn secrets_stay_out_of_argv_logs_and_errors_and_state_is_private() {
-    let mut server = Server::start();
+    let mut server = start();
     let bucket = new_bucket("secrets");
-    let mut node = NodeClient::new(server.channel().await);
+    let mut node = server.node().await;
     // A failing mount with secrets: the error and the logs do not carry them.
     let secrets = HashMap::from([
         ("accessKeyId".to_string(), common::ACCESS_KEY.to_string()),
@@ -752,7 +667,7 @@ async fn secrets_stay_out_of_argv_logs_and_errors_and_state_is_private() {
     assert!(checked >= 2, "found {checked} s3csi processes");
     // Private state: the state directory 0700 (nothing below it is reachable by others),
     // records and logs 0600 themselves; the socket 0600.
-    let state = server.dir.join("state");
+    let state = server.dir().join("state");
     let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode(&state) & 0o077, 0, "state dir is {:o}", mode(&state));
     let mut files = 0;
@@ -776,7 +691,7 @@ async fn secrets_stay_out_of_argv_logs_and_errors_and_state_is_private() {
         }
     }
     assert!(files >= 2, "state and log files: {files}");
-    let sock = std::fs::metadata(&server.socket)
+    let sock = std::fs::metadata(server.socket())
         .unwrap()
         .permissions()
         .mode()
@@ -794,6 +709,6 @@ async fn secrets_stay_out_of_argv_logs_and_errors_and_state_is_private() {
         log.contains("static_credentials=true"),
         "debug log shows the flag only"
     );
-    server.assert_serving().await;
+    assert_serving(&mut server).await;
     eprintln!("secrets: {checked} s3csi argv checked, {files} state files private, logs clean");
 }

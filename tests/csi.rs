@@ -4,176 +4,28 @@
 
 mod common;
 
-use common::{is_mountpoint, new_bucket, s3, s3csi_bin, scratch_dir, ACCESS_KEY, SECRET_KEY};
-use s3csi::csi::pb::controller_client::ControllerClient;
-use s3csi::csi::pb::identity_client::IdentityClient;
-use s3csi::csi::pb::node_client::NodeClient;
+use common::node_service::{publish_req, read, CsiServer, Mode, Options};
+use common::{is_mountpoint, new_bucket, scratch_dir, ACCESS_KEY, SECRET_KEY};
 use s3csi::csi::pb::{self, volume_capability as vc};
 use s3csi::s3::aws::AwsClient;
 use s3csi::s3::{ListRequest, ObjectClient};
 use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use tonic::transport::Channel;
 use tonic::Code;
 
-/// A running `s3csi csi` process on a socket in a scratch dir.
-struct Server {
-    child: Option<Child>,
-    dir: PathBuf,
-    socket: PathBuf,
-    log: PathBuf,
+/// Options for a server in `dir`, its log named after the test process.
+fn csi_in(dir: PathBuf, mode: Mode) -> Options {
+    CsiServer::options(dir)
+        .mode(mode)
+        .log_name(&format!("server-{}.log", std::process::id()))
 }
 
-#[derive(Clone, Copy)]
-enum Env {
-    /// The test process's environment (static test keys in AWS_*).
-    Inherit,
-    /// Nothing but PATH: no AWS credentials anywhere.
-    Bare,
-}
-
-impl Server {
-    fn start(mode: &str, env: Env) -> Server {
-        Self::start_in(scratch_dir("csi"), mode, env)
-    }
-
-    fn start_in(dir: PathBuf, mode: &str, env: Env) -> Server {
-        s3_endpoint();
-        common::set_test_env();
-        let socket = dir.join("plugin").join("csi.sock");
-        let log = dir.join(format!("server-{}.log", std::process::id()));
-        let logf = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .unwrap();
-        let mut cmd = Command::new(s3csi_bin());
-        cmd.arg("csi")
-            .args(["--endpoint", &format!("unix://{}", socket.display())])
-            .args(["--node-id", "test-node", "--mode", mode])
-            .arg("--state-dir")
-            .arg(dir.join("state"))
-            .args([
-                "--s3-endpoint-url",
-                &s3().endpoint,
-                "--s3-region",
-                "us-east-1",
-            ])
-            .arg("--s3-force-path-style")
-            .args(["--unmount-timeout", "10"])
-            .stdout(Stdio::null())
-            .stderr(logf);
-        if let Env::Bare = env {
-            cmd.env_clear()
-                .env("PATH", std::env::var("PATH").unwrap_or_default())
-                .env("AWS_EC2_METADATA_DISABLED", "true")
-                .env("RUST_LOG", "debug");
-        }
-        let child = cmd.spawn().expect("start s3csi csi");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "csi server did not start: {}",
-                read(&log)
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Server {
-            child: Some(child),
-            dir,
-            socket,
-            log,
-        }
-    }
-
-    async fn channel(&self) -> Channel {
-        tonic::transport::Endpoint::from_shared(format!("unix://{}", self.socket.display()))
-            .unwrap()
-            .connect()
-            .await
-            .expect("connect to the csi socket")
-    }
-
-    async fn node(&self) -> NodeClient<Channel> {
-        NodeClient::new(self.channel().await)
-    }
-
-    fn target(&self, pod: &str) -> PathBuf {
-        let parent = self.dir.join("pods").join(pod).join("volumes");
-        std::fs::create_dir_all(&parent).unwrap();
-        parent.join("mount")
-    }
-
-    /// Mounter pids the node service recorded.
-    fn mounter_pids(&self) -> Vec<u32> {
-        let mut pids = vec![];
-        if let Ok(dir) = std::fs::read_dir(self.dir.join("state").join("mounts")) {
-            for e in dir.flatten() {
-                let text = std::fs::read_to_string(e.path()).unwrap_or_default();
-                pids.extend(
-                    text.lines()
-                        .filter_map(|l| l.strip_prefix("pid="))
-                        .filter_map(|p| p.parse::<u32>().ok()),
-                );
-            }
-        }
-        pids
-    }
-
-    fn kill9(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    fn log_text(&self) -> String {
-        read(&self.log)
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            unsafe {
-                libc::kill(c.id() as i32, libc::SIGTERM);
-            }
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while c.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        // Leftovers of a failed test: stop mounters, detach mounts under our dir.
-        for pid in self.mounter_pids() {
-            unsafe {
-                libc::kill(pid as i32, libc::SIGKILL);
-            }
-        }
-        let prefix = self.dir.to_string_lossy().to_string();
-        for line in read(Path::new("/proc/self/mountinfo")).lines() {
-            if let Some(mp) = line.split(' ').nth(4) {
-                if mp.starts_with(&prefix) {
-                    let _ = Command::new("umount").arg("-l").arg(mp).status();
-                }
-            }
-        }
-    }
-}
-
-/// Starts the shared S3 server from a thread that never exits: moto is spawned with
-/// PR_SET_PDEATHSIG, which fires when the spawning *thread* ends, and test threads do end.
-fn s3_endpoint() -> &'static str {
-    &s3().endpoint
-}
-
-fn read(p: &Path) -> String {
-    std::fs::read_to_string(p).unwrap_or_default()
+/// A server in a fresh scratch dir with the test process's environment (static test keys
+/// in AWS_*).
+fn start(mode: Mode) -> CsiServer {
+    csi_in(scratch_dir("csi"), mode).start()
 }
 
 fn mount_cap(flags: &[&str], mode: vc::access_mode::Mode, group: &str) -> pb::VolumeCapability {
@@ -189,24 +41,6 @@ fn mount_cap(flags: &[&str], mode: vc::access_mode::Mode, group: &str) -> pb::Vo
 
 fn rw() -> pb::VolumeCapability {
     mount_cap(&[], vc::access_mode::Mode::MultiNodeMultiWriter, "")
-}
-
-fn s3_context() -> HashMap<String, String> {
-    HashMap::from([
-        ("endpointUrl".to_string(), s3().endpoint.clone()),
-        ("region".to_string(), "us-east-1".to_string()),
-        ("forcePathStyle".to_string(), "true".to_string()),
-    ])
-}
-
-fn publish_req(volume_id: &str, target: &Path) -> pb::NodePublishVolumeRequest {
-    pb::NodePublishVolumeRequest {
-        volume_id: volume_id.to_string(),
-        target_path: target.to_string_lossy().to_string(),
-        volume_capability: Some(rw()),
-        volume_context: s3_context(),
-        ..Default::default()
-    }
 }
 
 fn unpublish_req(volume_id: &str, target: &Path) -> pb::NodeUnpublishVolumeRequest {
@@ -248,8 +82,8 @@ async fn keys(client: &AwsClient, prefix: &str) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn identity_and_node_info() {
-    let server = Server::start("all", Env::Inherit);
-    let mut id = IdentityClient::new(server.channel().await);
+    let server = start(Mode::All);
+    let mut id = server.identity().await;
     let info = id
         .get_plugin_info(pb::GetPluginInfoRequest {})
         .await
@@ -296,7 +130,7 @@ async fn identity_and_node_info() {
             Type::VolumeMountGroup as i32
         ]
     );
-    let mut ctl = ControllerClient::new(server.channel().await);
+    let mut ctl = server.controller().await;
     let caps = ctl
         .controller_get_capabilities(pb::ControllerGetCapabilitiesRequest {})
         .await
@@ -312,7 +146,7 @@ async fn identity_and_node_info() {
 
     // The socket is private.
     use std::os::unix::fs::PermissionsExt;
-    let mode = std::fs::metadata(&server.socket)
+    let mode = std::fs::metadata(server.socket())
         .unwrap()
         .permissions()
         .mode()
@@ -320,14 +154,16 @@ async fn identity_and_node_info() {
     assert_eq!(mode, 0o600);
 
     // A node-only server does not claim the controller service, nor serve it.
-    let node_only = Server::start("node", Env::Inherit);
-    let caps = IdentityClient::new(node_only.channel().await)
+    let node_only = start(Mode::Node);
+    let mut id = node_only.identity().await;
+    let caps = id
         .get_plugin_capabilities(pb::GetPluginCapabilitiesRequest {})
         .await
         .unwrap()
         .into_inner();
     assert!(caps.capabilities.is_empty());
-    let err = ControllerClient::new(node_only.channel().await)
+    let mut ctl = node_only.controller().await;
+    let err = ctl
         .controller_get_capabilities(pb::ControllerGetCapabilitiesRequest {})
         .await
         .unwrap_err();
@@ -336,7 +172,7 @@ async fn identity_and_node_info() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publish_write_stats_unpublish() {
-    let server = Server::start("node", Env::Inherit);
+    let server = start(Mode::Node);
     let bucket = new_bucket("csi-pub");
     let other = new_bucket("csi-other");
     let mut node = server.node().await;
@@ -400,7 +236,7 @@ async fn publish_write_stats_unpublish() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readonly_and_fs_group() {
-    let server = Server::start("node", Env::Inherit);
+    let server = start(Mode::Node);
     let bucket = new_bucket("csi-ro");
     let client = s3_client(&bucket).await;
     client
@@ -441,7 +277,10 @@ async fn readonly_and_fs_group() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn static_credentials_from_secrets_only_by_environment() {
     // The server has no AWS credentials at all: only the Secret can make the mount work.
-    let server = Server::start("node", Env::Bare);
+    let server = csi_in(scratch_dir("csi"), Mode::Node)
+        .bare_env()
+        .env("RUST_LOG", "debug")
+        .start();
     let bucket = new_bucket("csi-sec");
     let mut node = server.node().await;
     let target = server.target("sec");
@@ -483,7 +322,7 @@ async fn static_credentials_from_secrets_only_by_environment() {
         .unwrap();
     // Never in any log, even at debug level.
     let mut logs = server.log_text();
-    for e in std::fs::read_dir(server.dir.join("state").join("logs"))
+    for e in std::fs::read_dir(server.dir().join("state").join("logs"))
         .unwrap()
         .flatten()
     {
@@ -498,7 +337,7 @@ async fn static_credentials_from_secrets_only_by_environment() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_mounter_is_replaced_then_unpublishes() {
-    let server = Server::start("node", Env::Inherit);
+    let server = start(Mode::Node);
     let bucket = new_bucket("csi-kill");
     let mut node = server.node().await;
     let target = server.target("k");
@@ -553,7 +392,7 @@ async fn killed_mounter_is_replaced_then_unpublishes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_service_restart_keeps_and_adopts_mounts() {
     let dir = scratch_dir("csi-restart");
-    let mut first = Server::start_in(dir.clone(), "node", Env::Inherit);
+    let mut first = csi_in(dir.clone(), Mode::Node).start();
     let bucket = new_bucket("csi-restart");
     let target = first.target("r");
     first
@@ -571,7 +410,7 @@ async fn node_service_restart_keeps_and_adopts_mounts() {
     let client = s3_client(&bucket).await;
     wait_for_key(&client, "during.txt").await;
 
-    let second = Server::start_in(dir, "node", Env::Inherit);
+    let second = csi_in(dir, Mode::Node).start();
     let mut node = second.node().await;
     // The adopted mount is known: same volume is OK, stats are healthy.
     node.node_publish_volume(publish_req(&bucket, &target))
@@ -598,7 +437,7 @@ async fn node_service_restart_keeps_and_adopts_mounts() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_node_requests_are_rejected_with_the_right_code() {
-    let server = Server::start("node", Env::Inherit);
+    let server = start(Mode::Node);
     let bucket = new_bucket("csi-bad");
     let mut node = server.node().await;
     let target = server.target("bad");
@@ -723,7 +562,7 @@ async fn bad_node_requests_are_rejected_with_the_right_code() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_publishes_never_double_mount() {
-    let server = Server::start("node", Env::Inherit);
+    let server = start(Mode::Node);
     let bucket = new_bucket("csi-conc");
     let target = server.target("c");
     let mut tasks = vec![];
@@ -760,9 +599,9 @@ async fn concurrent_publishes_never_double_mount() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn controller_lifecycle_create_publish_delete() {
-    let server = Server::start("all", Env::Inherit);
+    let server = start(Mode::All);
     let bucket = new_bucket("csi-ctl");
-    let mut ctl = ControllerClient::new(server.channel().await);
+    let mut ctl = server.controller().await;
     let create = |name: &str, params: &[(&str, &str)]| pb::CreateVolumeRequest {
         name: name.to_string(),
         capacity_range: Some(pb::CapacityRange {

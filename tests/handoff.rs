@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::node_service::{cleanup, publish_req, read, wait_replaced, Server};
+use common::node_service::{publish_req, read, wait_replaced, CsiServer};
 use common::{is_mountpoint, new_bucket, s3, s3_get, scratch_dir};
 use s3csi::csi::pb;
 use std::io::Read;
@@ -65,8 +65,7 @@ fn wait_for_object(bucket: &str, key: &str) -> Vec<u8> {
 
 #[test]
 fn killed_mounter_is_replaced_and_the_workload_carries_on() {
-    let dir = scratch_dir("handoff-kill");
-    let server = Server::start_in(dir.clone());
+    let server = CsiServer::start_in(scratch_dir("handoff-kill"));
     let bucket = new_bucket("handoff-kill");
     let target = server.target("w");
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -165,13 +164,12 @@ fn killed_mounter_is_replaced_and_the_workload_carries_on() {
     .unwrap();
     assert!(!is_mountpoint(&target) && !target.exists());
     drop(server);
-    cleanup(&dir);
 }
 
 #[test]
 fn mounts_survive_a_node_service_kill_and_the_new_one_can_replace_mounters() {
     let dir = scratch_dir("handoff-restart");
-    let mut first = Server::start_in(dir.clone());
+    let mut first = CsiServer::start_in(dir.clone());
     let bucket = new_bucket("handoff-restart");
     let target = first.target("r");
     let rt = tokio::runtime::Runtime::new().unwrap();
@@ -191,7 +189,7 @@ fn mounts_survive_a_node_service_kill_and_the_new_one_can_replace_mounters() {
     assert_eq!(std::fs::read(target.join("before.txt")).unwrap(), b"1");
     assert_eq!(wait_for_object(&bucket, "during.txt"), b"2");
 
-    let second = Server::start_in(dir.clone());
+    let second = CsiServer::start_in(dir);
     let mut node = rt.block_on(second.node());
     let log = second.log_text();
     assert!(
@@ -217,15 +215,13 @@ fn mounts_survive_a_node_service_kill_and_the_new_one_can_replace_mounters() {
     assert!(!is_mountpoint(&target));
     drop(second);
     drop(first);
-    cleanup(&dir);
 }
 
 #[test]
 fn a_call_in_flight_when_the_mounter_dies_is_answered_by_the_replacement() {
     use common::fault_proxy::{Fault, FaultProxy, Rule};
     use s3csi::s3::ObjectClient;
-    let dir = scratch_dir("handoff-inflight");
-    let server = Server::start_in(dir.clone());
+    let server = CsiServer::start_in(scratch_dir("handoff-inflight"));
     let bucket = new_bucket("handoff-inflight");
     common::runtime()
         .block_on(
@@ -279,5 +275,4 @@ fn a_call_in_flight_when_the_mounter_dies_is_answered_by_the_replacement() {
     }))
     .unwrap();
     drop(server);
-    cleanup(&dir);
 }

@@ -4,17 +4,14 @@
 
 mod common;
 
-use common::{is_mountpoint, new_bucket, s3, s3csi_bin, scratch_dir};
-use s3csi::csi::pb::controller_client::ControllerClient;
-use s3csi::csi::pb::identity_client::IdentityClient;
-use s3csi::csi::pb::node_client::NodeClient;
-use s3csi::csi::pb::{self, volume_capability as vc};
+use common::node_service::{publish_req, read, CsiServer, Mode, Options};
+use common::{is_mountpoint, new_bucket, s3csi_bin, scratch_dir};
+use s3csi::csi::pb;
 use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
-use tonic::transport::Channel;
+use std::process::Command;
+use std::time::Duration;
 use tonic::Code;
 
 fn free_port() -> u16 {
@@ -25,53 +22,26 @@ fn free_port() -> u16 {
         .port()
 }
 
-fn read(p: &Path) -> String {
-    std::fs::read_to_string(p).unwrap_or_default()
-}
-
 /// A running `s3csi csi --metrics-address 127.0.0.1:PORT` in a scratch dir.
 struct Server {
-    child: Option<Child>,
-    dir: PathBuf,
-    socket: PathBuf,
-    log: PathBuf,
+    csi: CsiServer,
     metrics: u16,
 }
 
-impl Server {
-    fn start(mode: &str) -> Server {
-        common::set_test_env();
-        let dir = scratch_dir("metrics");
-        let socket = dir.join("plugin").join("csi.sock");
-        let log = dir.join("server.log");
-        let metrics = free_port();
-        let child = csi_command(&dir, mode, &format!("127.0.0.1:{metrics}"), &log)
-            .spawn()
-            .expect("start s3csi csi");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "csi server did not start: {}",
-                read(&log)
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Server {
-            child: Some(child),
-            dir,
-            socket,
-            log,
-            metrics,
-        }
-    }
+/// The server's options: no default S3 endpoint, metrics on `addr`.
+fn options(dir: PathBuf, mode: Mode, addr: &str) -> Options {
+    CsiServer::options(dir)
+        .mode(mode)
+        .without_s3_flags()
+        .metrics_address(addr)
+}
 
-    async fn channel(&self) -> Channel {
-        tonic::transport::Endpoint::from_shared(format!("unix://{}", self.socket.display()))
-            .unwrap()
-            .connect()
-            .await
-            .expect("connect to the csi socket")
+impl Server {
+    fn start(mode: Mode) -> Server {
+        let dir = scratch_dir("metrics");
+        let metrics = free_port();
+        let csi = options(dir, mode, &format!("127.0.0.1:{metrics}")).start();
+        Server { csi, metrics }
     }
 
     /// GET `path` on the metrics port: (status, content type, body).
@@ -86,53 +56,6 @@ impl Server {
         assert_eq!(content_type, "text/plain; version=0.0.4; charset=utf-8");
         parse_text_format(&body)
     }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            unsafe {
-                libc::kill(c.id() as i32, libc::SIGTERM);
-            }
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while c.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        // Leftovers of a failed test: detach mounts under our dir.
-        let prefix = self.dir.to_string_lossy().to_string();
-        for line in read(Path::new("/proc/self/mountinfo")).lines() {
-            if let Some(mp) = line.split(' ').nth(4) {
-                if mp.starts_with(&prefix) {
-                    let _ = Command::new("umount").arg("-l").arg(mp).status();
-                }
-            }
-        }
-    }
-}
-
-fn csi_command(dir: &Path, mode: &str, metrics: &str, log: &Path) -> Command {
-    let logf = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(log)
-        .unwrap();
-    let mut cmd = Command::new(s3csi_bin());
-    cmd.arg("csi")
-        .args([
-            "--endpoint",
-            &format!("unix://{}", dir.join("plugin").join("csi.sock").display()),
-        ])
-        .args(["--node-id", "test-node", "--mode", mode])
-        .arg("--state-dir")
-        .arg(dir.join("state"))
-        .args(["--metrics-address", metrics])
-        .args(["--unmount-timeout", "10"])
-        .stdout(Stdio::null())
-        .stderr(logf);
-    cmd
 }
 
 /// A plain HTTP/1.1 request over a fresh connection: (status, content type, body).
@@ -278,28 +201,9 @@ fn requests(samples: &BTreeMap<String, f64>, method: &str, code: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-fn publish_req(bucket: &str, target: &Path) -> pb::NodePublishVolumeRequest {
-    pb::NodePublishVolumeRequest {
-        volume_id: bucket.to_string(),
-        target_path: target.to_string_lossy().to_string(),
-        volume_capability: Some(pb::VolumeCapability {
-            access_type: Some(vc::AccessType::Mount(vc::MountVolume::default())),
-            access_mode: Some(vc::AccessMode {
-                mode: vc::access_mode::Mode::MultiNodeMultiWriter as i32,
-            }),
-        }),
-        volume_context: HashMap::from([
-            ("endpointUrl".to_string(), s3().endpoint.clone()),
-            ("region".to_string(), "us-east-1".to_string()),
-            ("forcePathStyle".to_string(), "true".to_string()),
-        ]),
-        ..Default::default()
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_csi_calls_and_mounts() {
-    let server = Server::start("all");
+    let server = Server::start(Mode::All);
     let version = env!("CARGO_PKG_VERSION");
 
     // Before any call: build info, no mounts, no calls.
@@ -322,18 +226,18 @@ async fn metrics_count_csi_calls_and_mounts() {
 
     // Identity, node and controller calls, as kubelet, the registrar, the livenessprobe and
     // the provisioner make them.
-    let mut id = IdentityClient::new(server.channel().await);
+    let mut id = server.csi.identity().await;
     for _ in 0..3 {
         id.probe(pb::ProbeRequest {}).await.unwrap();
     }
     id.get_plugin_info(pb::GetPluginInfoRequest {})
         .await
         .unwrap();
-    let mut node = NodeClient::new(server.channel().await);
+    let mut node = server.csi.node().await;
     node.node_get_capabilities(pb::NodeGetCapabilitiesRequest {})
         .await
         .unwrap();
-    let pods = server.dir.join("pods");
+    let pods = server.csi.dir().join("pods");
     std::fs::create_dir_all(&pods).unwrap();
     let target = pods.join("mount");
     let mut bad = publish_req("some-bucket", &target);
@@ -345,7 +249,7 @@ async fn metrics_count_csi_calls_and_mounts() {
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
-    let mut ctl = ControllerClient::new(server.channel().await);
+    let mut ctl = server.csi.controller().await;
     ctl.controller_get_capabilities(pb::ControllerGetCapabilitiesRequest {})
         .await
         .unwrap();
@@ -388,7 +292,7 @@ async fn metrics_count_csi_calls_and_mounts() {
     let bucket = new_bucket("metrics");
     node.node_publish_volume(publish_req(&bucket, &target))
         .await
-        .unwrap_or_else(|e| panic!("publish: {e}\n{}", read(&server.log)));
+        .unwrap_or_else(|e| panic!("publish: {e}\n{}", server.csi.log_text()));
     assert!(is_mountpoint(&target));
     let mounted = server.scrape();
     assert_eq!(mounted.get("s3csi_mounts"), Some(&1.0), "{mounted:?}");
@@ -411,7 +315,7 @@ async fn metrics_count_csi_calls_and_mounts() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_endpoint_serves_only_metrics() {
-    let server = Server::start("controller");
+    let server = Server::start(Mode::Controller);
     let (status, _, _) = server.get("/");
     assert_eq!(status, 404);
     let (status, _, _) = server.get("/metricsx");
@@ -423,11 +327,12 @@ async fn metrics_endpoint_serves_only_metrics() {
     assert!(content_type.starts_with("text/plain; version=0.0.4"));
 
     // The controller has no node metrics, but counts its calls.
-    let mut ctl = ControllerClient::new(server.channel().await);
+    let mut ctl = server.csi.controller().await;
     ctl.controller_get_capabilities(pb::ControllerGetCapabilitiesRequest {})
         .await
         .unwrap();
-    let err = NodeClient::new(server.channel().await)
+    let mut node = server.csi.node().await;
+    let err = node
         .node_get_info(pb::NodeGetInfoRequest {})
         .await
         .unwrap_err();
@@ -460,12 +365,13 @@ fn bad_metrics_address_fails_at_start() {
     // A port in use: the process exits with the reason, and serves no CSI socket.
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = taken.local_addr().unwrap().to_string();
-    let log = dir.join("taken.log");
-    let status = csi_command(&dir, "controller", &addr, &log)
+    let status = options(dir.clone(), Mode::Controller, &addr)
+        .log_name("taken.log")
+        .command()
         .status()
         .unwrap();
     assert!(!status.success());
-    let text = read(&log);
+    let text = read(&dir.join("taken.log"));
     assert!(
         text.contains(&format!("--metrics-address {addr}: cannot listen")),
         "{text}"

@@ -8,7 +8,7 @@
 mod common;
 
 use common::fake_kube::FakeKube;
-use common::node_service::{cleanup, publish_req, wait_replaced, Server};
+use common::node_service::{publish_req, wait_replaced, CsiServer};
 use common::{is_mountpoint, new_bucket, s3_get, s3csi_bin, scratch_dir};
 use s3csi::csi::pb;
 use serde_json::{json, Value};
@@ -20,11 +20,10 @@ const NAMESPACE: &str = "s3csi-system";
 const KEY_ID: &str = "AKIAPODMODETEST0001";
 const SECRET: &str = "pod-mode-secret-value-0123456789";
 
-fn start_node_service(dir: &Path, kube: &FakeKube) -> Server {
+fn start_node_service(dir: &Path, kube: &FakeKube) -> CsiServer {
     let kubeconfig = kube.kubeconfig.to_string_lossy().to_string();
-    Server::start_with(
-        dir.to_path_buf(),
-        &[
+    CsiServer::options(dir.to_path_buf())
+        .flags(&[
             "--mounter",
             "pod",
             "--mounter-image",
@@ -37,9 +36,9 @@ fn start_node_service(dir: &Path, kube: &FakeKube) -> Server {
             "system-node-critical",
             "--mounter-resources",
             r#"{"requests":{"cpu":"50m","memory":"64Mi"},"limits":{"memory":"512Mi"}}"#,
-        ],
-        &[("KUBECONFIG", kubeconfig.as_str())],
-    )
+        ])
+        .env("KUBECONFIG", &kubeconfig)
+        .start()
 }
 
 fn with_secrets(mut req: pb::NodePublishVolumeRequest) -> pb::NodePublishVolumeRequest {
@@ -299,7 +298,6 @@ fn pod_mode_mounter_pods_are_created_replaced_adopted_and_deleted() {
     );
     drop(second);
     drop(first);
-    cleanup(&dir);
 }
 
 #[test]
@@ -324,5 +322,35 @@ fn pod_mode_reports_why_a_mounter_pod_failed() {
     assert!(kube.pods().is_empty(), "{:?}", kube.pods());
     assert!(kube.secrets().is_empty(), "{:?}", kube.secrets());
     drop(server);
-    cleanup(&dir);
+}
+
+#[test]
+fn pod_mode_hands_the_node_services_own_keys_to_mounters() {
+    // A volume without secrets: a child process would inherit the node service's static
+    // keys (the chart's awsCredentials), so a mounter Pod gets them through its Secret.
+    let dir = scratch_dir("pod-mode-own-keys");
+    let kube = FakeKube::start(&dir, NODE, s3csi_bin());
+    let server = start_node_service(&dir, &kube);
+    let bucket = new_bucket("pod-mode-own-keys");
+    let target = server.target("k");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut node = rt.block_on(server.node());
+    rt.block_on(node.node_publish_volume(publish_req(&bucket, &target)))
+        .unwrap();
+    let secrets = kube.secrets();
+    assert_eq!(secrets.len(), 1, "{secrets:?}");
+    assert_eq!(
+        secrets[0]["stringData"]["AWS_ACCESS_KEY_ID"],
+        common::ACCESS_KEY
+    );
+    assert!(!kube.pods()[0].to_string().contains(common::SECRET_KEY));
+    std::fs::write(target.join("k.txt"), b"keys from the node").unwrap();
+    assert_eq!(wait_for_object(&bucket, "k.txt"), b"keys from the node");
+    rt.block_on(node.node_unpublish_volume(pb::NodeUnpublishVolumeRequest {
+        volume_id: bucket.clone(),
+        target_path: target.to_string_lossy().to_string(),
+    }))
+    .unwrap();
+    assert!(kube.pods().is_empty() && kube.secrets().is_empty());
+    drop(server);
 }

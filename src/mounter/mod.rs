@@ -176,11 +176,18 @@ impl Tracked {
     /// Why the mounter is not running, if it is not.
     fn dead(&self) -> Option<String> {
         if let Some(e) = &self.exited {
-            return e.lock().unwrap().as_ref().map(|s| match &self.pod {
-                Some(pod) => format!("the mounter pod {pod} stopped ({s})"),
-                None => format!("the mounter process {} exited ({s})", self.pid),
-            });
+            if let Some(s) = e.lock().unwrap().as_ref() {
+                return Some(match &self.pod {
+                    Some(pod) => format!("the mounter pod {pod} stopped ({s})"),
+                    None => format!("the mounter process {} exited ({s})", self.pid),
+                });
+            }
+            if self.pod.is_some() {
+                return None;
+            }
         }
+        // A child killed a moment ago is a zombie until the reaper task runs: it already
+        // serves nothing, and a status probe now would only wait for its replacement.
         (!pid_alive(self.pid)).then(|| format!("the mounter process {} is gone", self.pid))
     }
 }

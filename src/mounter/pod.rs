@@ -16,8 +16,9 @@
 //!   hand the replacement the descriptor), unprivileged: all capabilities dropped, no
 //!   privilege escalation, read-only root file system, no service-account token (the AWS
 //!   SDK's web-identity token for IRSA is a separate projected volume);
-//! - Secret `s3csi-mounter-<mount>` when the volume came with static credentials, read by
-//!   the Pod through `secretKeyRef`, so credentials never appear in the Pod object.
+//! - Secret `s3csi-mounter-<mount>` when there are static credentials (the volume's, or the
+//!   node service's own), read by the Pod through `secretKeyRef`, so credentials never
+//!   appear in the Pod object.
 //!
 //! A mounter Pod is considered gone once its control socket refuses connections (its
 //! process exited; the node service removes a dead mounter's socket before starting the
@@ -352,8 +353,10 @@ impl PodLauncher {
         }
     }
 
-    /// Starts the mounter Pod of `mount`. With credentials in `req.env` they go to a fresh
-    /// Secret; without (a replacement), the mount's existing Secret is used if it has one.
+    /// Starts the mounter Pod of `mount`. Its credentials, in this order: the volume's own
+    /// (`req.env`, from the CSI secrets); for a replacement, the mount's existing Secret;
+    /// the node service's own static keys (the chart's `awsCredentials`), which a child
+    /// process would have inherited; none (the mounter's service account role).
     pub async fn start(
         &self,
         req: &MountRequest,
@@ -363,14 +366,23 @@ impl PodLauncher {
         generation: u32,
     ) -> Result<String, MountError> {
         let _ = std::fs::remove_file(dir.join(LAST_ERROR_FILE));
-        let secret = if !req.env.is_empty() {
-            Some(self.put_secret(mount, &req.env).await?)
-        } else {
-            let name = Self::secret_name(mount);
+        let name = Self::secret_name(mount);
+        let existing = if recover {
             match self.secrets.get_opt(&name).await {
-                Ok(Some(_)) => Some(name),
-                Ok(None) => None,
+                Ok(found) => found.map(|_| name.clone()),
                 Err(e) => return Err(api_error("cannot read the mounter secret", e)),
+            }
+        } else {
+            None
+        };
+        let secret = match (existing, req.env.is_empty(), node_credentials()) {
+            (_, false, _) => Some(self.put_secret(mount, &req.env).await?),
+            (Some(found), true, _) => Some(found),
+            (None, true, Some(own)) => Some(self.put_secret(mount, &own).await?),
+            (None, true, None) => {
+                // A Secret left by an earlier mount of this target must not be used.
+                self.delete_secret(&name).await?;
+                None
             }
         };
         let pod = self.pod_manifest(req, mount, dir, recover, generation, secret.as_deref())?;
@@ -453,6 +465,17 @@ impl PodLauncher {
             .collect();
         Ok((pods, secrets))
     }
+}
+
+/// The node service's own static keys, if it has them in its environment.
+fn node_credentials() -> Option<Vec<(&'static str, String)>> {
+    let env: Vec<(&'static str, String)> = CREDENTIAL_KEYS
+        .iter()
+        .filter_map(|k| std::env::var(k).ok().map(|v| (*k, v)))
+        .filter(|(_, v)| !v.is_empty())
+        .collect();
+    let has = |k: &str| env.iter().any(|(key, _)| *key == k);
+    (has("AWS_ACCESS_KEY_ID") && has("AWS_SECRET_ACCESS_KEY")).then_some(env)
 }
 
 /// A label value from a node name: node names are DNS subdomains (≤ 253 characters), label

@@ -38,7 +38,9 @@ from chartlib import (
     render_objects,
 )
 
-GOOD_VALUES = ["defaults", "irsa", "two-buckets", "minio-secret"]
+GOOD_VALUES = [
+    "defaults", "irsa", "two-buckets", "minio-secret", "metrics", "process-mode", "mounter-custom",
+]
 # The oldest Kubernetes release we support and the newest one kubernetes-validate bundles.
 KUBE_VERSIONS = ["1.28", kubernetes_validate.latest_version()]
 EXAMPLES = sorted(p.name for p in EXAMPLES_DIR.glob("*.yaml"))
@@ -82,6 +84,17 @@ def mount_of(c: dict[str, Any], volume: str) -> dict[str, Any]:
     mounts = [m for m in c.get("volumeMounts", []) if m["name"] == volume]
     assert len(mounts) == 1, f"{c['name']} mounts {volume} {len(mounts)} times"
     return mounts[0]
+
+
+def named(objects: list[dict[str, Any]], kind: str, suffix: str) -> dict[str, Any]:
+    """The single object of `kind` whose name ends with `-suffix`."""
+    found = [o for o in find(objects, kind) if o["metadata"]["name"].endswith(f"-{suffix}")]
+    assert len(found) == 1, f"expected one {kind} *-{suffix}, found {len(found)}"
+    return found[0]
+
+
+def pod_mode(values: dict[str, Any]) -> bool:
+    return merged(values)["mounter"]["mode"] == "pod"
 
 
 def socket_path(endpoint: str) -> str:
@@ -149,6 +162,26 @@ def test_typo_values_fail_the_schema() -> None:
         {"sidecars": {"provisioner": {"image": {"tags": "v1"}}}},
         {"controller": {"resources": {"request": {"cpu": "1"}}}},
         {"node": {"tolerations": [{"operator": "Exists", "effects": "NoSchedule"}]}},
+        {"metrics": {"enabled": True, "port": "9809"}},
+        {"metrics": {"enabled": "true"}},
+        {"metrics": {"port": 0}},
+        {"metrics": {"port": 65536}},
+        {"metrics": {"scrapeAnnotations": "yes"}},
+        {"metrics": {"prot": 9809}},
+        {"mounter": {"mode": "bogus"}},
+        {"mounter": {"mode": "Pod"}},
+        {"mounter": {"mode": None}},
+        {"mounter": {"image": {"pullPolicy": "Sometimes"}}},
+        {"mounter": {"image": {"name": "s3csi"}}},
+        {"mounter": {"serviceAccount": {"annotation": {}}}},
+        {"mounter": {"serviceAccount": {"name": "Not_A_Name"}}},
+        {"mounter": {"serviceAccount": {"annotations": {"a": 1}}}},
+        {"mounter": {"priorityClassName": "System Node Critical"}},
+        {"mounter": {"resources": {"limits": {"memory": "1 Gi"}}}},
+        {"mounter": {"resources": {"limit": {"memory": "1Gi"}}}},
+        {"mounter": {"terminationGracePeriodSeconds": -1}},
+        {"mounter": {"terminationGracePeriodSeconds": "30"}},
+        {"mounter": {"gracePeriod": 30}},
     ],
     ids=lambda b: json.dumps(b, sort_keys=True),
 )
@@ -345,8 +378,11 @@ def test_node_devices_and_state(case) -> None:
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["fuse-device"]["hostPath"] == {"path": "/dev/fuse", "type": "CharDevice"}
     assert mount_of(s3csi, "fuse-device")["mountPath"] == "/dev/fuse"
-    assert volumes["state-dir"]["hostPath"]["path"] == "/var/lib/s3csi"
+    # Mounter Pods mount their handoff directory (under the state dir) by its host path, so
+    # the state dir is a hostPath at the same path on the host and in the container.
+    assert volumes["state-dir"]["hostPath"] == {"path": "/var/lib/s3csi", "type": "DirectoryOrCreate"}
     assert mount_of(s3csi, "state-dir")["mountPath"] == "/var/lib/s3csi"
+    assert flag(s3csi["args"], "state-dir") == "/var/lib/s3csi"
 
 
 def test_node_scheduling(case) -> None:
@@ -378,6 +414,333 @@ def test_health_ports_agree(case) -> None:
         ports = {p["name"]: p["containerPort"] for p in s3csi["ports"]}
         assert ports["healthz"] == port
         assert s3csi["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+
+
+def test_metrics_wiring(case) -> None:
+    _, values, objects = case
+    m = merged(values)["metrics"]
+    for pod, template in ((node_pod(objects), one(objects, "DaemonSet")),
+                          (controller_pod(objects), one(objects, "Deployment"))):
+        s3csi = container(pod, "s3csi")
+        ports = {p["name"]: p for p in s3csi["ports"]}
+        annotations = template["spec"]["template"]["metadata"].get("annotations", {})
+        address_flags = [a for a in s3csi["args"] if a.startswith("--metrics-address")]
+        if not m["enabled"]:
+            assert address_flags == []
+            assert "metrics" not in ports
+            assert not any(k.startswith("prometheus.io/") for k in annotations)
+            continue
+        # Every interface of the pod, on the configured port, declared as a named port.
+        assert address_flags == [f"--metrics-address=:{m['port']}"]
+        assert ports["metrics"] == {"name": "metrics", "containerPort": m["port"],
+                                    "protocol": "TCP"}
+        assert m["port"] != ports["healthz"]["containerPort"]
+        # No sidecar claims the port.
+        for c in pod["containers"]:
+            if c["name"] != "s3csi":
+                assert all(p.get("containerPort") != m["port"] for p in c.get("ports", []))
+        if m.get("scrapeAnnotations"):
+            assert annotations == {"prometheus.io/scrape": "true",
+                                   "prometheus.io/port": str(m["port"]),
+                                   "prometheus.io/path": "/metrics"}
+        else:
+            assert annotations == {}
+
+
+def test_metrics_are_off_by_default(chart_values: dict[str, Any]) -> None:
+    assert chart_values["metrics"] == {"enabled": False, "port": 9809, "scrapeAnnotations": False}
+    objects = render_objects({})
+    for pod in (node_pod(objects), controller_pod(objects)):
+        s3csi = container(pod, "s3csi")
+        assert not any("metrics" in a for a in s3csi["args"])
+        assert [p["name"] for p in s3csi["ports"]] == ["healthz"]
+
+
+def test_metrics_enabled_with_the_default_port() -> None:
+    objects = render_objects({"metrics": {"enabled": True}})
+    for pod in (node_pod(objects), controller_pod(objects)):
+        s3csi = container(pod, "s3csi")
+        assert flag(s3csi["args"], "metrics-address") == ":9809"
+        assert {"name": "metrics", "containerPort": 9809, "protocol": "TCP"} in s3csi["ports"]
+    # Annotations only when asked for.
+    assert "annotations" not in one(objects, "DaemonSet")["spec"]["template"]["metadata"]
+    notes = render_chart({"metrics": {"enabled": True}})["s3csi/templates/NOTES.txt"]
+    assert "/metrics on port 9809" in notes
+
+
+@pytest.mark.parametrize("component", ["node", "controller"])
+def test_metrics_port_must_not_be_the_health_port(component: str) -> None:
+    values = {"metrics": {"enabled": True, "port": 9900}, component: {"healthPort": 9900}}
+    with pytest.raises(helm.HelmError, match="healthPort"):
+        render_chart(values)
+    # Disabled metrics do not care.
+    render_chart({"metrics": {"port": 9900}, component: {"healthPort": 9900}})
+
+
+# --- Mounters (mounter.mode) -------------------------------------------------------------------
+
+NODE_SERVICE_ROLE_RULES = [
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "get", "list", "delete"]},
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create", "get", "list", "delete"]},
+]
+NODE_SERVICE_CLUSTER_ROLE_RULES = [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}]
+
+
+def mounter_flags(args: list[str]) -> list[str]:
+    return [a for a in args if a.startswith("--mounter")]
+
+
+def test_mounter_defaults(chart_values: dict[str, Any]) -> None:
+    assert chart_values["mounter"] == {
+        "mode": "pod",
+        "image": {"repository": "", "tag": "", "pullPolicy": ""},
+        "serviceAccount": {"create": True, "name": "", "annotations": {}},
+        "priorityClassName": "system-node-critical",
+        "resources": {
+            "requests": {"cpu": "10m", "memory": "64Mi"},
+            # The default max-prefetch-memory (512MiB) plus upload buffers and overhead.
+            "limits": {"memory": "1Gi"},
+        },
+        "terminationGracePeriodSeconds": 30,
+    }
+
+
+def test_default_render_runs_mounters_as_pods() -> None:
+    objects = render_objects({})
+    s3csi = container(node_pod(objects), "s3csi")
+    args = s3csi["args"]
+    assert flag(args, "mounter") == "pod"
+    # By default the mounters run the node plugin's own image.
+    assert flag(args, "mounter-image") == s3csi["image"] == "ghcr.io/s3csi/s3csi:0.1.0"
+    assert flag(args, "mounter-image-pull-policy") == s3csi["imagePullPolicy"]
+    assert flag(args, "mounter-namespace") == "$(POD_NAMESPACE)"
+    env = {e["name"]: e for e in s3csi["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert flag(args, "mounter-service-account") == "s3csi-mounter"
+    assert flag(args, "mounter-priority-class") == "system-node-critical"
+    assert json.loads(flag(args, "mounter-resources")) == {
+        "requests": {"cpu": "10m", "memory": "64Mi"},
+        "limits": {"memory": "1Gi"},
+    }
+    assert flag(args, "mounter-grace-seconds") == "30"
+
+    role = one(objects, "Role", "s3csi-mounters")
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert role["rules"] == NODE_SERVICE_ROLE_RULES
+    cluster_role = one(objects, "ClusterRole", "s3csi-node")
+    assert cluster_role["rules"] == NODE_SERVICE_CLUSTER_ROLE_RULES
+    node_sa = {"kind": "ServiceAccount", "name": "s3csi-node", "namespace": NAMESPACE}
+    assert node_pod(objects)["serviceAccountName"] == "s3csi-node"
+    binding = one(objects, "RoleBinding", "s3csi-mounters")
+    assert binding["metadata"]["namespace"] == NAMESPACE
+    assert binding["subjects"] == [node_sa]
+    assert binding["roleRef"] == {
+        "kind": "Role", "name": "s3csi-mounters", "apiGroup": "rbac.authorization.k8s.io"}
+    cluster_binding = one(objects, "ClusterRoleBinding", "s3csi-node")
+    assert cluster_binding["subjects"] == [node_sa]
+    assert cluster_binding["roleRef"] == {
+        "kind": "ClusterRole", "name": "s3csi-node", "apiGroup": "rbac.authorization.k8s.io"}
+
+
+def test_mounter_command_line(case) -> None:
+    name, values, objects = case
+    m = merged(values)
+    s3csi = container(node_pod(objects), "s3csi")
+    args = s3csi["args"]
+    env = {e["name"]: e for e in s3csi["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    if not pod_mode(values):
+        assert mounter_flags(args) == ["--mounter=process"], name
+        return
+    mounter = m["mounter"]
+    assert mounter_flags(args)[0] == "--mounter=pod"
+    assert len([a for a in args if a.startswith("--mounter=")]) == 1
+    repository = mounter["image"]["repository"] or m["image"]["repository"]
+    tag = mounter["image"]["tag"] or m["image"]["tag"] or "0.1.0"
+    assert flag(args, "mounter-image") == f"{repository}:{tag}"
+    if not mounter["image"]["repository"] and not mounter["image"]["tag"]:
+        assert flag(args, "mounter-image") == s3csi["image"]
+    assert flag(args, "mounter-image-pull-policy") == (
+        mounter["image"]["pullPolicy"] or m["image"]["pullPolicy"])
+    # The binary the mounter Pods run is the image's entrypoint.
+    entrypoint = re.search(r'^ENTRYPOINT \["([^"]+)"\]', (REPO / "Containerfile").read_text(), re.M)
+    assert flag(args, "mounter-command") == entrypoint.group(1)
+    assert flag(args, "mounter-namespace") == "$(POD_NAMESPACE)"
+    fullname = one(objects, "DaemonSet")["metadata"]["name"].removesuffix("-node")
+    sa = mounter["serviceAccount"]["name"] or f"{fullname}-mounter"
+    assert flag(args, "mounter-service-account") == sa
+    if mounter["priorityClassName"]:
+        assert flag(args, "mounter-priority-class") == mounter["priorityClassName"]
+    else:
+        assert not any(a.startswith("--mounter-priority-class") for a in args)
+    assert flag(args, "mounter-grace-seconds") == str(mounter["terminationGracePeriodSeconds"])
+    resources = json.loads(flag(args, "mounter-resources"))
+    # Quantities are JSON strings (what k8s-openapi's Quantity parses), numbers included.
+    expected = {
+        section: {k: v if isinstance(v, str) else f"{v:g}" for k, v in quantities.items()}
+        for section, quantities in mounter["resources"].items()
+    }
+    assert resources == expected
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+def test_mounter_resources_are_valid_resource_requirements(case, kube_version: str) -> None:
+    """--mounter-resources is opaque to the schemas: validate it as a Pod's container resources."""
+    name, values, objects = case
+    if not pod_mode(values):
+        return
+    args = container(node_pod(objects), "s3csi")["args"]
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "s3csi-mounter-x-1", "namespace": NAMESPACE},
+        "spec": {
+            "containers": [{
+                "name": "mounter",
+                "image": flag(args, "mounter-image"),
+                "imagePullPolicy": flag(args, "mounter-image-pull-policy"),
+                "resources": json.loads(flag(args, "mounter-resources")),
+            }],
+        },
+    }
+    try:
+        kubernetes_validate.validate(pod, kube_version, strict=True)
+    except kubernetes_validate.ValidationError as error:
+        pytest.fail(f"{name}: mounter pod: {error.message}")
+
+
+def test_node_service_rbac_only_in_pod_mode(case) -> None:
+    name, values, objects = case
+    node_sa = node_pod(objects)["serviceAccountName"]
+    rbac_kinds = {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+    node_rbac = [
+        o for o in objects
+        if o["kind"] in rbac_kinds
+        and o["metadata"]["labels"]["app.kubernetes.io/component"] == "node"
+    ]
+    if not pod_mode(values):
+        assert node_rbac == [], name
+        return
+    assert sorted(o["kind"] for o in node_rbac) == sorted(rbac_kinds)
+    role = named(objects, "Role", "mounters")
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert role["rules"] == NODE_SERVICE_ROLE_RULES
+    assert named(objects, "ClusterRole", "node")["rules"] == NODE_SERVICE_CLUSTER_ROLE_RULES
+    for kind, suffix, ref_kind in (("RoleBinding", "mounters", "Role"),
+                                   ("ClusterRoleBinding", "node", "ClusterRole")):
+        binding = named(objects, kind, suffix)
+        assert binding["subjects"] == [
+            {"kind": "ServiceAccount", "name": node_sa, "namespace": NAMESPACE}]
+        assert binding["roleRef"]["kind"] == ref_kind
+        assert binding["roleRef"]["name"] == named(objects, ref_kind, suffix)["metadata"]["name"]
+
+
+def test_mounter_service_account(case) -> None:
+    name, values, objects = case
+    m = merged(values)
+    mounters = [sa for sa in find(objects, "ServiceAccount")
+                if sa["metadata"]["labels"]["app.kubernetes.io/component"] == "mounter"]
+    if not pod_mode(values) or not m["mounter"]["serviceAccount"]["create"]:
+        assert mounters == [], name
+        return
+    assert len(mounters) == 1
+    sa = mounters[0]
+    args = container(node_pod(objects), "s3csi")["args"]
+    assert sa["metadata"]["name"] == flag(args, "mounter-service-account")
+    assert sa["metadata"]["namespace"] == NAMESPACE
+    assert sa["metadata"].get("annotations", {}) == m["mounter"]["serviceAccount"]["annotations"]
+    assert sa["automountServiceAccountToken"] is False
+    # Mounter Pods name no imagePullSecrets of their own: they get the account's.
+    assert sa.get("imagePullSecrets", []) == m["imagePullSecrets"]
+    assert sa["metadata"]["name"] not in (node_pod(objects)["serviceAccountName"],
+                                          controller_pod(objects)["serviceAccountName"])
+
+
+def test_irsa_role_for_the_buckets_is_on_the_mounter_service_account() -> None:
+    values = load_values_file("irsa")
+    objects = render_objects(values)
+    sa = one(objects, "ServiceAccount", "s3csi-mounter")
+    assert sa["metadata"]["annotations"] == {
+        ROLE_ARN: "arn:aws:iam::111122223333:role/s3csi-mounter"}
+    args = container(node_pod(objects), "s3csi")["args"]
+    assert flag(args, "mounter-service-account") == "s3csi-mounter"
+    # The mounters run the driver's ECR image, pulled with the same secret.
+    assert flag(args, "mounter-image") == "111122223333.dkr.ecr.eu-west-1.amazonaws.com/s3csi:0.1.0-rc1"
+    assert sa["imagePullSecrets"] == [{"name": "ecr-pull"}]
+
+
+def test_process_mode_renders_no_mounter_objects() -> None:
+    values = load_values_file("process-mode")
+    objects = render_objects(values)
+    args = container(node_pod(objects), "s3csi")["args"]
+    assert "--mounter=process" in args
+    assert mounter_flags(args) == ["--mounter=process"]
+    assert find(objects, "Role", "s3csi-mounters") == []
+    assert find(objects, "RoleBinding", "s3csi-mounters") == []
+    assert find(objects, "ClusterRole", "s3csi-node") == []
+    assert find(objects, "ClusterRoleBinding", "s3csi-node") == []
+    assert find(objects, "ServiceAccount", "s3csi-mounter") == []
+    # The only RBAC left is the provisioner's.
+    assert {o["metadata"]["name"] for o in find(objects, "ClusterRole")} == {"s3csi-provisioner"}
+    notes = render_chart(values)["s3csi/templates/NOTES.txt"]
+    assert "mounter.mode: process" in notes and "WARNING" not in notes
+
+
+def test_mounter_image_fields_fall_back_one_by_one() -> None:
+    def image(values: dict[str, Any]) -> tuple[str, str]:
+        args = container(node_pod(render_objects(values)), "s3csi")["args"]
+        return flag(args, "mounter-image"), flag(args, "mounter-image-pull-policy")
+
+    assert image({"image": {"tag": "v9"}}) == ("ghcr.io/s3csi/s3csi:v9", "IfNotPresent")
+    assert image({"mounter": {"image": {"tag": "v8"}}}) == ("ghcr.io/s3csi/s3csi:v8", "IfNotPresent")
+    assert image({"mounter": {"image": {"repository": "r.io/m"}}}) == ("r.io/m:0.1.0", "IfNotPresent")
+    assert image({"image": {"pullPolicy": "Always"}}) == ("ghcr.io/s3csi/s3csi:0.1.0", "Always")
+    assert image({"image": {"pullPolicy": "Always"},
+                  "mounter": {"image": {"pullPolicy": "Never"}}}) == ("ghcr.io/s3csi/s3csi:0.1.0", "Never")
+
+
+def test_default_region_and_endpoint_reach_the_mounters(case) -> None:
+    """Mounter Pods do not inherit the node container's AWS_* variables: the node service's own
+    defaults (S3CSI_REGION, S3CSI_ENDPOINT_URL) travel to them as mount options."""
+    _, values, objects = case
+    s3 = merged(values)["s3"]
+    env = {e["name"]: e.get("value") for e in container(node_pod(objects), "s3csi")["env"]}
+    assert env.get("S3CSI_REGION") == (s3["region"] or None)
+    assert env.get("S3CSI_ENDPOINT_URL") == (s3["endpointUrl"] or None)
+
+
+def test_static_keys_notes_in_pod_mode() -> None:
+    values = load_values_file("minio-secret")
+    assert pod_mode(values)
+    notes = render_chart(values)["s3csi/templates/NOTES.txt"]
+    assert "Mounter Pods get them through a per-volume Secret" in notes
+    values = {**values, "mounter": {"mode": "process"}}
+    assert "per-volume Secret" not in render_chart(values)["s3csi/templates/NOTES.txt"]
+
+
+def _rust_sources() -> str:
+    return "\n".join(p.read_text() for p in sorted((REPO / "src").rglob("*.rs")))
+
+
+def test_flags_and_variables_of_the_s3csi_containers_exist_in_the_binary(case) -> None:
+    """Every `--flag` the chart passes to `s3csi csi` is a clap field of the binary, and every
+    S3CSI_*/POD_NAMESPACE variable one it reads: a renamed flag would crash-loop the pods."""
+    _, values, objects = case
+    src = _rust_sources()
+    m = merged(values)
+    extra = set(m["node"]["extraArgs"]) | set(m["controller"]["extraArgs"])
+    for pod in (node_pod(objects), controller_pod(objects)):
+        s3csi = container(pod, "s3csi")
+        assert s3csi["args"][0] == "csi"
+        for arg in s3csi["args"][1:]:
+            if arg in extra:
+                continue
+            assert arg.startswith("--"), arg
+            name = arg[2:].split("=", 1)[0]
+            assert re.search(rf"\bpub {name.replace('-', '_')}:", src), f"s3csi csi has no --{name}"
+        for e in s3csi.get("env", []):
+            if e["name"].startswith("S3CSI_") or e["name"] == "POD_NAMESPACE":
+                assert f'env = "{e["name"]}"' in src, e["name"]
 
 
 def test_controller_wiring(case) -> None:
@@ -424,7 +787,7 @@ def test_images(case) -> None:
 def test_provisioner_rbac(case) -> None:
     _, _, objects = case
     sa = controller_pod(objects)["serviceAccountName"]
-    role = one(objects, "ClusterRole")
+    role = named(objects, "ClusterRole", "provisioner")
     rules = {
         (group, resource): set(rule["verbs"])
         for rule in role["rules"]
@@ -445,18 +808,18 @@ def test_provisioner_rbac(case) -> None:
     }
     for key, verbs in required.items():
         assert verbs <= rules.get(key, set()), f"ClusterRole lacks {key} {verbs}"
-    binding = one(objects, "ClusterRoleBinding")
+    binding = named(objects, "ClusterRoleBinding", "provisioner")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": NAMESPACE}]
 
-    lease_role = one(objects, "Role")
+    lease_role = named(objects, "Role", "provisioner-leader-election")
     assert lease_role["metadata"]["namespace"] == NAMESPACE
     assert {
         "apiGroups": ["coordination.k8s.io"],
         "resources": ["leases"],
         "verbs": ["get", "watch", "list", "delete", "update", "create"],
     } in lease_role["rules"]
-    role_binding = one(objects, "RoleBinding")
+    role_binding = named(objects, "RoleBinding", "provisioner-leader-election")
     assert role_binding["roleRef"]["name"] == lease_role["metadata"]["name"]
     assert role_binding["subjects"][0]["name"] == sa
 
@@ -489,13 +852,19 @@ def test_existing_service_accounts_are_used_not_created() -> None:
         "serviceAccount": {
             "node": {"create": False, "name": "my-node-sa"},
             "controller": {"create": False, "name": "my-controller-sa"},
-        }
+        },
+        "mounter": {"serviceAccount": {"create": False, "name": "my-mounter-sa"}},
     }
     objects = render_objects(values)
     assert find(objects, "ServiceAccount") == []
     assert node_pod(objects)["serviceAccountName"] == "my-node-sa"
     assert controller_pod(objects)["serviceAccountName"] == "my-controller-sa"
-    assert one(objects, "ClusterRoleBinding")["subjects"][0]["name"] == "my-controller-sa"
+    binding = one(objects, "ClusterRoleBinding", "s3csi-provisioner")
+    assert binding["subjects"][0]["name"] == "my-controller-sa"
+    for kind, name in (("ClusterRoleBinding", "s3csi-node"), ("RoleBinding", "s3csi-mounters")):
+        assert one(objects, kind, name)["subjects"][0]["name"] == "my-node-sa"
+    args = container(node_pod(objects), "s3csi")["args"]
+    assert flag(args, "mounter-service-account") == "my-mounter-sa"
 
 
 def _secret_env(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -613,8 +982,14 @@ def test_release_name_and_namespace_flow_through() -> None:
     objects = render_objects({}, release="storage", namespace="s3csi-system")
     assert one(objects, "DaemonSet")["metadata"]["name"] == "storage-s3csi-node"
     assert one(objects, "DaemonSet")["metadata"]["namespace"] == "s3csi-system"
-    binding = one(objects, "ClusterRoleBinding")
-    assert binding["subjects"][0]["namespace"] == "s3csi-system"
+    for kind, name in (
+        ("ClusterRoleBinding", "storage-s3csi-provisioner"),
+        ("ClusterRoleBinding", "storage-s3csi-node"),
+        ("RoleBinding", "storage-s3csi-mounters"),
+    ):
+        assert one(objects, kind, name)["subjects"][0]["namespace"] == "s3csi-system"
+    assert one(objects, "Role", "storage-s3csi-mounters")["metadata"]["namespace"] == "s3csi-system"
+    assert one(objects, "ServiceAccount", "storage-s3csi-mounter")["metadata"]["namespace"] == "s3csi-system"
     provisioner = container(controller_pod(objects), "csi-provisioner")
     assert flag(provisioner["args"], "leader-election-namespace") == "s3csi-system"
 
@@ -623,6 +998,10 @@ def test_notes_render(case) -> None:
     name, values, _ = case
     notes = render_chart(values)["s3csi/templates/NOTES.txt"]
     assert DRIVER_NAME in notes
+    if pod_mode(values):
+        assert "app.kubernetes.io/name=s3csi-mounter" in notes, name
+    else:
+        assert "mounter.mode: process" in notes, name
     for entry in values.get("storageClasses", []):
         assert entry["name"] in notes, name
 

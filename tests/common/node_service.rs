@@ -1,8 +1,13 @@
-//! The CSI node service as kubelet sees it: a real `s3csi csi --mode node` process on a
-//! unix socket, with its state directory and pod directories under a scratch directory,
-//! and the requests kubelet sends it.
+//! A real `s3csi csi` process as kubelet and the external-provisioner see it: started on a
+//! unix socket in a scratch directory (its state directory, pod directories and log below
+//! it), the generated tonic clients connected over that socket, and the requests kubelet
+//! sends. [`CsiServer::options`] sets what a test needs (mode, environment, extra flags,
+//! metrics address, kubelet directory, log file name); dropping the server stops it and
+//! clears up what a failed test left behind.
 
 use super::{is_mountpoint, s3, s3csi_bin};
+use s3csi::csi::pb::controller_client::ControllerClient;
+use s3csi::csi::pb::identity_client::IdentityClient;
 use s3csi::csi::pb::node_client::NodeClient;
 use s3csi::csi::pb::{self, volume_capability as vc};
 use std::collections::HashMap;
@@ -11,48 +16,158 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use tonic::transport::Channel;
 
-pub struct Server {
-    child: Option<Child>,
-    dir: PathBuf,
-    socket: PathBuf,
-    log: PathBuf,
+/// Which CSI services the process serves (`--mode`).
+#[derive(Clone, Copy, Debug)]
+pub enum Mode {
+    Node,
+    Controller,
+    All,
 }
 
-impl Server {
-    pub fn start_in(dir: PathBuf) -> Server {
-        Self::start_with(dir, &[], &[])
+impl Mode {
+    fn as_str(self) -> &'static str {
+        match self {
+            Mode::Node => "node",
+            Mode::Controller => "controller",
+            Mode::All => "all",
+        }
+    }
+}
+
+/// How to start a [`CsiServer`]. The defaults: node mode, node id `test-node`, the test
+/// process's environment (static test keys in AWS_*), the moto server as default S3
+/// endpoint, no metrics, pods under the scratch dir, the log in `server.log`.
+pub struct Options {
+    dir: PathBuf,
+    mode: Mode,
+    node_id: String,
+    bare_env: bool,
+    env: Vec<(String, String)>,
+    flags: Vec<String>,
+    s3_flags: bool,
+    metrics_address: Option<String>,
+    kubelet_dir: bool,
+    log_name: String,
+}
+
+impl Options {
+    pub fn mode(mut self, mode: Mode) -> Self {
+        self.mode = mode;
+        self
     }
 
-    /// With extra flags and environment variables.
-    pub fn start_with(dir: PathBuf, extra: &[&str], env: &[(&str, &str)]) -> Server {
-        super::set_test_env();
-        let socket = dir.join("plugin").join("csi.sock");
-        let log = dir.join("server.log");
+    pub fn node_id(mut self, id: &str) -> Self {
+        self.node_id = id.to_string();
+        self
+    }
+
+    /// Nothing of the test process's environment but PATH, and no instance metadata: no
+    /// AWS credentials anywhere. Variables from [`Options::env`] are still set.
+    pub fn bare_env(mut self) -> Self {
+        self.bare_env = true;
+        self
+    }
+
+    /// An extra environment variable.
+    pub fn env(mut self, key: &str, value: &str) -> Self {
+        self.env.push((key.to_string(), value.to_string()));
+        self
+    }
+
+    /// Extra command line flags, after the usual ones.
+    pub fn flags(mut self, flags: &[&str]) -> Self {
+        self.flags.extend(flags.iter().map(|f| f.to_string()));
+        self
+    }
+
+    /// Without the `--s3-*` flags that point the default S3 endpoint at the moto server.
+    pub fn without_s3_flags(mut self) -> Self {
+        self.s3_flags = false;
+        self
+    }
+
+    /// `--metrics-address ADDR`.
+    pub fn metrics_address(mut self, addr: &str) -> Self {
+        self.metrics_address = Some(addr.to_string());
+        self
+    }
+
+    /// `--kubelet-dir DIR/kubelet`, with targets under it rather than under the scratch dir.
+    pub fn kubelet_dir(mut self) -> Self {
+        self.kubelet_dir = true;
+        self
+    }
+
+    /// The file under the scratch dir that the server's stderr is appended to.
+    pub fn log_name(mut self, name: &str) -> Self {
+        self.log_name = name.to_string();
+        self
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.dir.join("plugin").join("csi.sock")
+    }
+
+    fn log(&self) -> PathBuf {
+        self.dir.join(&self.log_name)
+    }
+
+    fn kubelet(&self) -> Option<PathBuf> {
+        self.kubelet_dir.then(|| self.dir.join("kubelet"))
+    }
+
+    /// The command [`Options::start`] spawns, stderr appended to the log, for a test that
+    /// runs it itself (e.g. one that expects it to fail).
+    pub fn command(&self) -> Command {
         let logf = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
-            .open(&log)
+            .open(self.log())
             .unwrap();
-        let child = Command::new(s3csi_bin())
-            .arg("csi")
-            .args(["--endpoint", &format!("unix://{}", socket.display())])
-            .args(["--node-id", "test-node", "--mode", "node"])
+        let mut cmd = Command::new(s3csi_bin());
+        cmd.arg("csi")
+            .args(["--endpoint", &format!("unix://{}", self.socket().display())])
+            .args(["--node-id", &self.node_id, "--mode", self.mode.as_str()])
             .arg("--state-dir")
-            .arg(dir.join("state"))
-            .args([
+            .arg(self.dir.join("state"));
+        if let Some(kubelet) = self.kubelet() {
+            cmd.arg("--kubelet-dir").arg(kubelet);
+        }
+        if self.s3_flags {
+            cmd.args([
                 "--s3-endpoint-url",
                 &s3().endpoint,
                 "--s3-region",
                 "us-east-1",
             ])
-            .arg("--s3-force-path-style")
-            .args(["--unmount-timeout", "10"])
-            .args(extra)
-            .envs(env.iter().copied())
+            .arg("--s3-force-path-style");
+        }
+        if let Some(addr) = &self.metrics_address {
+            cmd.args(["--metrics-address", addr]);
+        }
+        cmd.args(["--unmount-timeout", "10"])
+            .args(&self.flags)
             .stdout(Stdio::null())
-            .stderr(logf)
-            .spawn()
-            .expect("start s3csi csi");
+            .stderr(logf);
+        if self.bare_env {
+            cmd.env_clear()
+                .env("PATH", std::env::var("PATH").unwrap_or_default())
+                .env("AWS_EC2_METADATA_DISABLED", "true");
+        }
+        cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
+        cmd
+    }
+
+    /// Starts the server and waits until its socket accepts connections.
+    pub fn start(self) -> CsiServer {
+        super::set_test_env();
+        let kubelet = self.kubelet();
+        if let Some(kubelet) = &kubelet {
+            std::fs::create_dir_all(kubelet.join("pods")).unwrap();
+        }
+        let socket = self.socket();
+        let log = self.log();
+        let child = self.command().spawn().expect("start s3csi csi");
         let deadline = Instant::now() + Duration::from_secs(20);
         while std::os::unix::net::UnixStream::connect(&socket).is_err() {
             assert!(
@@ -62,46 +177,111 @@ impl Server {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-        Server {
+        CsiServer {
             child: Some(child),
-            dir,
+            dir: self.dir,
+            kubelet,
             socket,
             log,
         }
     }
+}
 
-    pub async fn node(&self) -> NodeClient<Channel> {
-        let ch =
-            tonic::transport::Endpoint::from_shared(format!("unix://{}", self.socket.display()))
-                .unwrap()
-                .connect()
-                .await
-                .expect("connect to the csi socket");
-        NodeClient::new(ch)
+/// A running `s3csi csi` process on a socket in a scratch dir.
+pub struct CsiServer {
+    child: Option<Child>,
+    dir: PathBuf,
+    kubelet: Option<PathBuf>,
+    socket: PathBuf,
+    log: PathBuf,
+}
+
+impl CsiServer {
+    /// Options for a server in `dir` (its state, socket, log and pods go below it).
+    pub fn options(dir: PathBuf) -> Options {
+        Options {
+            dir,
+            mode: Mode::Node,
+            node_id: "test-node".to_string(),
+            bare_env: false,
+            env: vec![],
+            flags: vec![],
+            s3_flags: true,
+            metrics_address: None,
+            kubelet_dir: false,
+            log_name: "server.log".to_string(),
+        }
     }
 
+    /// A node service in `dir` with the default options.
+    pub fn start_in(dir: PathBuf) -> CsiServer {
+        Self::options(dir).start()
+    }
+
+    /// The scratch dir: `state/`, `plugin/csi.sock`, the log, and `pods/` unless
+    /// [`Options::kubelet_dir`] moved them.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// `--kubelet-dir`, if [`Options::kubelet_dir`] set it.
+    pub fn kubelet_dir(&self) -> Option<&Path> {
+        self.kubelet.as_deref()
+    }
+
+    pub async fn channel(&self) -> Channel {
+        tonic::transport::Endpoint::from_shared(format!("unix://{}", self.socket.display()))
+            .unwrap()
+            .connect()
+            .await
+            .expect("connect to the csi socket")
+    }
+
+    pub async fn identity(&self) -> IdentityClient<Channel> {
+        IdentityClient::new(self.channel().await)
+    }
+
+    pub async fn node(&self) -> NodeClient<Channel> {
+        NodeClient::new(self.channel().await)
+    }
+
+    pub async fn controller(&self) -> ControllerClient<Channel> {
+        ControllerClient::new(self.channel().await)
+    }
+
+    /// A target path for a volume of `pod`, as kubelet makes it: its parent exists.
     pub fn target(&self, pod: &str) -> PathBuf {
-        let parent = self.dir.join("pods").join(pod).join("volumes");
+        let root = self.kubelet.as_deref().unwrap_or(&self.dir);
+        let parent = root.join("pods").join(pod).join("volumes");
         std::fs::create_dir_all(&parent).unwrap();
         parent.join("mount")
     }
 
+    /// Mounter pids the node service recorded (0 for a mounter that runs in a Pod).
+    pub fn mounter_pids(&self) -> Vec<u32> {
+        mounter_pids(&self.dir)
+    }
+
     /// The recorded mounter pid of the only mount.
     pub fn mounter_pid(&self) -> u32 {
-        let dir = self.dir.join("state").join("mounts");
-        let mut pids = vec![];
-        for e in std::fs::read_dir(dir).unwrap().flatten() {
-            let text = read(&e.path());
-            pids.extend(
-                text.lines()
-                    .filter_map(|l| l.strip_prefix("pid="))
-                    .filter_map(|p| p.parse::<u32>().ok()),
-            );
-        }
+        let pids = self.mounter_pids();
         assert_eq!(pids.len(), 1, "{pids:?}");
         pids[0]
     }
 
+    /// Whether the process is still running (not exited, not killed with [`Self::kill9`]).
+    pub fn is_running(&mut self) -> bool {
+        match &mut self.child {
+            Some(c) => c.try_wait().unwrap().is_none(),
+            None => false,
+        }
+    }
+
+    /// SIGKILL, as when the node service's container is killed.
     pub fn kill9(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
@@ -114,7 +294,7 @@ impl Server {
     }
 }
 
-impl Drop for Server {
+impl Drop for CsiServer {
     fn drop(&mut self) {
         if let Some(mut c) = self.child.take() {
             unsafe {
@@ -127,29 +307,38 @@ impl Drop for Server {
             let _ = c.kill();
             let _ = c.wait();
         }
+        cleanup(&self.dir);
     }
 }
 
-/// Leftovers of a failed test: mounters and mounts under `dir`.
-pub fn cleanup(dir: &Path) {
+fn mounter_pids(dir: &Path) -> Vec<u32> {
+    let mut pids = vec![];
     if let Ok(entries) = std::fs::read_dir(dir.join("state").join("mounts")) {
         for e in entries.flatten() {
-            for pid in read(&e.path())
-                .lines()
-                .filter_map(|l| l.strip_prefix("pid="))
-                .filter_map(|p| p.parse::<i32>().ok())
-                .filter(|p| *p > 0)
-            {
-                unsafe {
-                    libc::kill(pid, libc::SIGKILL);
-                }
+            pids.extend(
+                read(&e.path())
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("pid="))
+                    .filter_map(|p| p.parse::<u32>().ok()),
+            );
+        }
+    }
+    pids
+}
+
+/// Leftovers of a failed test: mounters recorded under `dir` (never pid 0, which a mounter
+/// in a Pod records, nor anything that is not a single process id) and mounts under `dir`.
+fn cleanup(dir: &Path) {
+    for pid in mounter_pids(dir) {
+        if let Ok(pid @ 1..) = i32::try_from(pid) {
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
             }
         }
     }
-    let prefix = dir.to_string_lossy().to_string();
     for line in read(Path::new("/proc/self/mountinfo")).lines() {
         if let Some(mp) = line.split(' ').nth(4) {
-            if mp.starts_with(&prefix) {
+            if Path::new(mp).starts_with(dir) {
                 let _ = Command::new("umount").arg("-l").arg(mp).status();
             }
         }

@@ -63,6 +63,59 @@ app.kubernetes.io/component: {{ .component }}
 {{- default (printf "%s-controller" (include "s3csi.fullname" .)) .Values.serviceAccount.controller.name }}
 {{- end }}
 
+{{- define "s3csi.mounterServiceAccountName" -}}
+{{- default (printf "%s-mounter" (include "s3csi.fullname" .)) .Values.mounter.serviceAccount.name }}
+{{- end }}
+
+{{/* True ("true") when mounters run as Pods (mounter.mode: pod), else "". */}}
+{{- define "s3csi.podMounters" -}}
+{{- if eq .Values.mounter.mode "pod" }}true{{ end }}
+{{- end }}
+
+{{/*
+The path of the s3csi binary in the image (the Containerfile's ENTRYPOINT), which mounter Pods
+run as their command.
+*/}}
+{{- define "s3csi.binaryPath" -}}
+/usr/local/bin/s3csi
+{{- end }}
+
+{{/* "repository:tag" of the mounter Pods; empty mounter.image fields take the driver's. */}}
+{{- define "s3csi.mounterImage" -}}
+{{- $m := .Values.mounter.image }}
+{{- printf "%s:%s" (default .Values.image.repository $m.repository) (default (default .Chart.AppVersion .Values.image.tag) $m.tag) }}
+{{- end }}
+
+{{- define "s3csi.mounterImagePullPolicy" -}}
+{{- default .Values.image.pullPolicy .Values.mounter.image.pullPolicy }}
+{{- end }}
+
+{{/*
+mounter.resources as the JSON ResourceRequirements that --mounter-resources parses. Quantities
+written as YAML numbers become strings ("1", "0.5"): Kubernetes quantities are strings in JSON.
+*/}}
+{{- define "s3csi.mounterResourcesJson" -}}
+{{- $out := dict }}
+{{- range $section, $value := .Values.mounter.resources }}
+{{- if has $section (list "requests" "limits") }}
+{{- $quantities := dict }}
+{{- range $name, $q := $value }}
+{{- if kindIs "string" $q }}
+{{- $_ := set $quantities $name $q }}
+{{- else if eq (float64 (int64 $q)) (float64 $q) }}
+{{- $_ := set $quantities $name (toString (int64 $q)) }}
+{{- else }}
+{{- $_ := set $quantities $name (toString $q) }}
+{{- end }}
+{{- end }}
+{{- $_ := set $out $section $quantities }}
+{{- else }}
+{{- $_ := set $out $section $value }}
+{{- end }}
+{{- end }}
+{{- toJson $out }}
+{{- end }}
+
 {{/* Name of the static-credentials Secret, or "" when the SDK's default chain is used. */}}
 {{- define "s3csi.awsSecretName" -}}
 {{- if .Values.awsCredentials.create }}
@@ -109,5 +162,35 @@ app.kubernetes.io/component: {{ .component }}
       name: {{ . }}
       key: sessionToken
       optional: true
+{{- end }}
+{{- end }}
+
+{{/*
+Prometheus metrics (metrics.*) of the s3csi container; call with (dict "ctx" $ "healthPort" N),
+N being the component's livenessprobe port, which the metrics port must not take.
+*/}}
+{{- define "s3csi.metricsArgs" -}}
+{{- if .ctx.Values.metrics.enabled }}
+{{- if eq (int .ctx.Values.metrics.port) (int .healthPort) }}
+{{- fail (printf "metrics.port %v is the healthPort of the livenessprobe sidecar; choose another" .ctx.Values.metrics.port) }}
+{{- end }}
+- --metrics-address=:{{ .ctx.Values.metrics.port }}
+{{- end }}
+{{- end }}
+
+{{- define "s3csi.metricsPort" -}}
+{{- if .Values.metrics.enabled }}
+- name: metrics
+  containerPort: {{ .Values.metrics.port }}
+  protocol: TCP
+{{- end }}
+{{- end }}
+
+{{/* Prometheus scrape annotations of the node and controller pods, when asked for. */}}
+{{- define "s3csi.metricsAnnotations" -}}
+{{- if and .Values.metrics.enabled .Values.metrics.scrapeAnnotations }}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ .Values.metrics.port | quote }}
+prometheus.io/path: /metrics
 {{- end }}
 {{- end }}
