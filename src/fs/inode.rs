@@ -219,8 +219,9 @@ impl InodeTable {
         if let Some(existing) = self.by_name.get(&(parent, name.to_string())).copied() {
             if let Some(inode) = self.by_ino.get_mut(&existing) {
                 if inode.kind == kind {
-                    // A writer's size and a local-only file are ours to report, not S3's.
-                    if inode.writer.is_none() {
+                    // A writer's size and a local-only file (an empty new one whose PUT is
+                    // under way, see `S3Fs::defer_empty`) are ours to report, not S3's.
+                    if inode.writer.is_none() && !inode.local_only {
                         inode.size = size;
                         inode.mtime = mtime;
                         inode.etag = etag;

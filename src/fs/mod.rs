@@ -29,7 +29,7 @@ pub use error::{FsError, FsResult};
 use inode::{Inode, InodeTable, Kind};
 use prefetch::{PrefetchConfig, Prefetcher, BUDGET_UNIT};
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::Semaphore;
@@ -42,6 +42,8 @@ const LIST_PAGE: i32 = 1000;
 const LIST_AHEAD_PAGES: usize = 5;
 /// Inode table size above which entries nobody holds are dropped.
 const INODE_CAP: usize = 50_000;
+/// Empty-file PUTs (see `S3Fs::defer_empty`) in flight at once; more wait their turn.
+const CREATE_PUTS_IN_FLIGHT: usize = 64;
 
 #[derive(Debug, Clone)]
 pub struct FsConfig {
@@ -56,6 +58,8 @@ pub struct FsConfig {
     pub max_concurrency: usize,
     pub max_prefetch_memory: u64,
     pub prefetch: PrefetchConfig,
+    /// Close of a new empty file waits for its PUT (see `S3Fs::defer_empty`).
+    pub sync_create: bool,
 }
 
 impl Default for FsConfig {
@@ -72,6 +76,7 @@ impl Default for FsConfig {
             max_concurrency: 16,
             max_prefetch_memory: 512 * 1024 * 1024,
             prefetch: PrefetchConfig::default(),
+            sync_create: false,
         }
     }
 }
@@ -123,7 +128,18 @@ struct OpenFile {
     key: String,
     writable: bool,
     append: bool,
+    /// Opened by create(): a close with nothing written may defer the empty PUT.
+    created: bool,
     state: FileState,
+}
+
+/// The empty object of a new file whose close did not wait for its PUT (see
+/// `S3Fs::defer_empty`).
+struct PendingCreate {
+    /// The handle whose close started the PUT: its own later flushes need not wait.
+    creator: u64,
+    /// Held by the PUT task until the PUT is done, then holds its outcome.
+    done: Arc<tokio::sync::Mutex<Option<Result<(), S3Error>>>>,
 }
 
 struct DirStream {
@@ -153,6 +169,11 @@ pub struct S3Fs {
     next_fh: AtomicU64,
     prefetch_budget: Arc<Semaphore>,
     mount_time: SystemTime,
+    /// Empty new files whose PUT is under way, by inode.
+    pending: Arc<Mutex<HashMap<u64, PendingCreate>>>,
+    create_slots: Arc<Semaphore>,
+    /// Set by `flush_all`: from then on every close waits for its upload.
+    stopping: AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -235,6 +256,9 @@ impl S3Fs {
             next_fh: AtomicU64::new(1),
             prefetch_budget: Arc::new(Semaphore::new(units)),
             mount_time,
+            pending: Arc::new(Mutex::new(HashMap::new())),
+            create_slots: Arc::new(Semaphore::new(CREATE_PUTS_IN_FLIGHT)),
+            stopping: AtomicBool::new(false),
         }
     }
 
@@ -488,6 +512,7 @@ impl S3Fs {
             return self.getattr(ino).await;
         };
         self.writable()?;
+        self.await_pending(ino).await?;
         let i = self.inode(ino)?;
         if i.kind == Kind::Dir {
             return Err(FsError::IsDir);
@@ -576,6 +601,12 @@ impl S3Fs {
         if key.len() > MAX_KEY_LEN {
             return Err(FsError::NameTooLong);
         }
+        let known = lock(&self.inodes).child(parent, name).map(|c| c.ino);
+        if let Some(ino) = known {
+            // A new version must not be overtaken by the empty PUT of the previous one; if
+            // that PUT failed, the name is gone and this creates it afresh.
+            let _ = self.await_pending(ino).await;
+        }
         let ino = {
             let mut t = lock(&self.inodes);
             if let Some(existing) = t.child(parent, name) {
@@ -595,6 +626,7 @@ impl S3Fs {
             key: key.clone(),
             writable: true,
             append: mode.append,
+            created: true,
             state: FileState::Write(self.new_upload(key)),
         }))));
         let mut t = lock(&self.inodes);
@@ -606,12 +638,15 @@ impl S3Fs {
     }
 
     pub async fn open(&self, ino: u64, mode: OpenMode, opener: Option<u32>) -> FsResult<u64> {
-        let i = self.inode(ino)?;
+        let mut i = self.inode(ino)?;
         if i.kind == Kind::Dir {
             return Err(FsError::IsDir);
         }
         if mode.write {
             self.writable()?;
+            // Whatever this handle writes must land after the empty object, not before.
+            self.await_pending(ino).await?;
+            i = self.inode(ino)?;
         }
         if i.writer.is_some() {
             return Err(FsError::Busy(
@@ -641,6 +676,7 @@ impl S3Fs {
             key: i.key.clone(),
             writable: mode.write,
             append: mode.append,
+            created: false,
             state,
         }))));
         if writing {
@@ -675,8 +711,10 @@ impl S3Fs {
             return Err(FsError::BadHandle);
         }
         if matches!(f.state, FileState::Committed) && offset == 0 && self.inode(f.ino)?.size == 0 {
-            // Committed empty (a shell's dup2 + close before writing): start the object over.
+            // Committed empty (a shell's dup2 + close before writing): start the object over,
+            // once the empty object is in S3, so that it cannot land after the content.
             let ino = f.ino;
+            self.await_pending(ino).await?;
             self.start_writing(ino, fh)?;
             f.state = FileState::Write(self.new_upload(f.key.clone()));
         }
@@ -690,6 +728,7 @@ impl S3Fs {
                     "refusing write into an existing object (modify/append not supported)");
                 return Err(FsError::Unsupported("writing into an existing object"));
             }
+            self.await_pending(ino).await?;
             self.start_writing(ino, fh)?;
             f.state = FileState::Write(self.new_upload(f.key.clone()));
         }
@@ -723,8 +762,10 @@ impl S3Fs {
     /// A flush from another process than the opener is not a commit: a child that
     /// inherited the descriptor (fork + exec closes it) must not end the parent's upload;
     /// release commits then. A flush before anything was written does commit (an empty
-    /// object, durable at close); shells that open, `dup2` and close the original
-    /// descriptor before writing then restart the upload from offset 0, see `write`.
+    /// object: durable at close for an existing file; a new file does not wait for its
+    /// PUT, see `defer_empty`, but closing any other descriptor of it does); shells that
+    /// open, `dup2` and close the original descriptor before writing then restart the
+    /// upload from offset 0 once that PUT is done, see `write`.
     pub async fn flush(&self, fh: u64, caller: Option<u32>) -> FsResult<()> {
         let file = self.file_handle(fh)?;
         let mut f = file.lock().await;
@@ -734,10 +775,33 @@ impl S3Fs {
                 return Ok(());
             }
         }
-        self.commit(&mut f, fh).await
+        self.commit(&mut f, fh, true).await?;
+        let created_by_this_handle = lock(&self.pending)
+            .get(&f.ino)
+            .is_some_and(|p| p.creator == fh);
+        if created_by_this_handle {
+            return Ok(());
+        }
+        self.await_pending(f.ino).await
     }
 
-    async fn commit(&self, f: &mut OpenFile, fh: u64) -> FsResult<()> {
+    /// Completes the upload of a handle that is writing. With `may_defer`, a new file
+    /// closed empty is only started (see `defer_empty`).
+    async fn commit(&self, f: &mut OpenFile, fh: u64, may_defer: bool) -> FsResult<()> {
+        let FileState::Write(up) = &mut f.state else {
+            return Ok(());
+        };
+        if may_defer
+            && f.created
+            && up.written() == 0
+            && up.can_truncate()
+            && !self.cfg.sync_create
+            && !self.stopping.load(Ordering::SeqCst)
+            && self.defer_empty(f.ino, &f.key, fh)
+        {
+            f.state = FileState::Committed;
+            return Ok(());
+        }
         let FileState::Write(up) = &mut f.state else {
             return Ok(());
         };
@@ -778,6 +842,96 @@ impl S3Fs {
         result.map(|_| ())
     }
 
+    /// A new file this mount created, closed with nothing written and never uploaded:
+    /// the empty object is PUT in the background and close returns at once, since no data
+    /// is at stake. Until the PUT is done the inode stays `local_only` (lookups, getattr,
+    /// listings and reads answer from this table) and `pending` holds it: everything that
+    /// must be ordered after the PUT waits for it (`await_pending`): opening for write,
+    /// writing, truncate, unlink, rename, create of the same name, fsync and the close of
+    /// another descriptor, and `flush_all` on unmount/SIGTERM. A PUT that fails even after
+    /// the SDK's retries is logged, and the name disappears (the next lookup asks S3).
+    /// Returns false, changing nothing, when the file does not qualify.
+    fn defer_empty(&self, ino: u64, key: &str, fh: u64) -> bool {
+        let done = Arc::new(tokio::sync::Mutex::new(None));
+        let mine = done.clone();
+        let Ok(mut guard) = done.clone().try_lock_owned() else {
+            return false;
+        };
+        {
+            let mut t = lock(&self.inodes);
+            let Some(i) = t.get_mut(ino) else {
+                return false;
+            };
+            if i.writer != Some(fh) || !i.local_only {
+                return false;
+            }
+            i.writer = None;
+            i.size = 0;
+            i.mtime = SystemTime::now();
+            lock(&self.pending).insert(ino, PendingCreate { creator: fh, done });
+        }
+        let (client, inodes, pending, slots) = (
+            self.client.clone(),
+            self.inodes.clone(),
+            self.pending.clone(),
+            self.create_slots.clone(),
+        );
+        let key = key.to_string();
+        tokio::spawn(async move {
+            let slot = slots.acquire_owned().await;
+            let result = client.put_object(&key, Bytes::new()).await;
+            drop(slot);
+            let mut t = lock(&inodes);
+            if let Some(i) = t
+                .get_mut(ino)
+                .filter(|i| i.local_only && i.writer.is_none())
+            {
+                i.local_only = false;
+                match &result {
+                    Ok(meta) => {
+                        i.etag = meta.etag.clone();
+                        i.validated = Some(Instant::now());
+                    }
+                    Err(_) => {
+                        i.validated = None;
+                        let (parent, name) = (i.parent, i.name.clone());
+                        if t.child(parent, &name).is_some_and(|c| c.ino == ino) {
+                            t.unbind(parent, &name);
+                        }
+                    }
+                }
+            }
+            t.forget(ino, 0);
+            drop(t);
+            match &result {
+                Ok(_) => tracing::debug!(key = %key, "empty file created in S3"),
+                Err(e) => {
+                    tracing::error!(key = %key, "could not create empty file {key} in S3: {e}")
+                }
+            }
+            *guard = Some(result.map(|_| ()));
+            let mut p = lock(&pending);
+            if p.get(&ino).is_some_and(|p| Arc::ptr_eq(&p.done, &mine)) {
+                p.remove(&ino);
+            }
+        });
+        true
+    }
+
+    /// Waits until the empty object of `ino` is in S3, if its PUT is under way; EIO if
+    /// that PUT failed.
+    async fn await_pending(&self, ino: u64) -> FsResult<()> {
+        let done = lock(&self.pending).get(&ino).map(|p| p.done.clone());
+        let Some(done) = done else {
+            return Ok(());
+        };
+        let outcome = done.lock().await.clone();
+        match outcome {
+            Some(Err(e)) => Err(FsError::UploadFailed(e)),
+            _ => Ok(()),
+        }
+    }
+
     pub async fn fsync(&self, fh: u64) -> FsResult<()> {
         match lock(&self.handles).get(&fh) {
             Some(Handle::Dir(_)) => return Ok(()),
@@ -786,7 +940,8 @@ impl S3Fs {
         }
         let file = self.file_handle(fh)?;
         let mut f = file.lock().await;
-        self.commit(&mut f, fh).await
+        self.commit(&mut f, fh, false).await?;
+        self.await_pending(f.ino).await
     }
 
     pub async fn release(&self, fh: u64) -> FsResult<()> {
@@ -801,7 +956,7 @@ impl S3Fs {
         // Normally flush already committed; this covers handles closed without one (an
         // empty new file, or a descriptor last closed by another process). The handle stays
         // registered until the commit is done, so that `flush_all` on unmount waits for it.
-        let result = self.commit(&mut f, fh).await;
+        let result = self.commit(&mut f, fh, true).await;
         lock(&self.handles).remove(&fh);
         let mut t = lock(&self.inodes);
         if let Some(i) = t.get_mut(f.ino) {
@@ -811,8 +966,10 @@ impl S3Fs {
         result
     }
 
-    /// Completes every open upload; used on unmount and on SIGTERM.
+    /// Completes every open upload and every empty file's PUT (see `defer_empty`); used
+    /// on unmount and on SIGTERM. Closes after this wait for their uploads.
     pub async fn flush_all(&self) -> usize {
+        self.stopping.store(true, Ordering::SeqCst);
         let files: Vec<(u64, Arc<tokio::sync::Mutex<OpenFile>>)> = lock(&self.handles)
             .iter()
             .filter_map(|(fh, h)| match h {
@@ -823,8 +980,19 @@ impl S3Fs {
         let mut failed = 0;
         for (fh, file) in files {
             let mut f = file.lock().await;
-            if self.commit(&mut f, fh).await.is_err() {
+            if self.commit(&mut f, fh, false).await.is_err() {
                 failed += 1;
+            }
+        }
+        loop {
+            let waiting: Vec<u64> = lock(&self.pending).keys().copied().collect();
+            if waiting.is_empty() {
+                break;
+            }
+            for ino in waiting {
+                if self.await_pending(ino).await.is_err() {
+                    failed += 1;
+                }
             }
         }
         failed
@@ -918,6 +1086,18 @@ impl S3Fs {
         if child.kind == Kind::Dir {
             return Err(FsError::IsDir);
         }
+        // The DELETE must come after an empty file's PUT, or the file would come back.
+        if self.await_pending(child.ino).await.is_err() {
+            // The creation failed and the name is gone; its PUT may have landed all the same.
+            self.client
+                .delete_object(&format!("{}{}", p.key, name))
+                .await?;
+            return Ok(());
+        }
+        let child = lock(&self.inodes)
+            .child(parent, name)
+            .cloned()
+            .ok_or(FsError::NotFound)?;
         if let Some(writer) = child.writer {
             // Abandon the upload so closing the file does not bring it back.
             if let Ok(file) = self.file_handle(writer) {
@@ -960,6 +1140,10 @@ impl S3Fs {
             return Err(FsError::NotFound);
         };
         self.forget(src.ino, 1);
+        if src.kind == Kind::File {
+            // An empty file's PUT must be done before it can be copied, or deleted.
+            self.await_pending(src.ino).await?;
+        }
         if src.kind == Kind::Dir {
             tracing::info!(key = %src.key, "directory rename refused with EXDEV; mv copies instead");
             return Err(FsError::CrossDevice);
@@ -976,6 +1160,8 @@ impl S3Fs {
         match self.lookup(new_parent, new_name).await {
             Ok(a) => {
                 self.forget(a.ino, 1);
+                // The copy must land after the target's own empty PUT, if one is under way.
+                let _ = self.await_pending(a.ino).await;
                 if no_replace {
                     return Err(FsError::Exists);
                 }

@@ -29,8 +29,10 @@ pub struct PrefetchConfig {
 impl Default for PrefetchConfig {
     fn default() -> Self {
         Self {
-            initial_window: 4 * 1024 * 1024,
-            max_window: 64 * 1024 * 1024,
+            // Two 4 MiB GETs at once from the first read; sixteen 8 MiB GETs (as many as
+            // the raw-S3 baseline keeps in flight) once the reader has kept up for a while.
+            initial_window: 8 * 1024 * 1024,
+            max_window: 128 * 1024 * 1024,
             max_chunk: 8 * 1024 * 1024,
         }
     }
@@ -123,7 +125,8 @@ impl Prefetcher {
             .chunks
             .front()
             .is_some_and(|c| c.start <= offset && offset < self.next_fetch);
-        let continues = self.last_end == Some(offset);
+        // A first read at offset 0 is how sequential readers (cp, cat, tar) begin.
+        let continues = self.last_end == Some(offset) || (self.last_end.is_none() && offset == 0);
         if !in_window && !continues {
             // Slightly behind the window: an out-of-order kernel readahead request.
             // Serve it directly and keep the stream going.
@@ -156,8 +159,9 @@ impl Prefetcher {
 
     fn schedule(&mut self, needed_end: u64) {
         while self.next_fetch < self.size && self.next_fetch < needed_end + self.window {
-            let chunk_len = self
-                .window
+            // Half a window at most, so that two GETs are in flight from the start.
+            let chunk_len = (self.window / 2)
+                .max(BUDGET_UNIT)
                 .min(self.cfg.max_chunk)
                 .max(
                     needed_end

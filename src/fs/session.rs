@@ -71,6 +71,9 @@ pub struct MountArgs {
     /// Read-ahead memory shared by all open files [default: 512MiB]
     #[arg(long, value_name = "SIZE")]
     pub max_prefetch_memory: Option<String>,
+    /// Make close of a new empty file wait until the object is in S3
+    #[arg(long)]
+    pub sync_create: bool,
     /// Log every request at debug level
     #[arg(long)]
     pub debug: bool,
@@ -138,6 +141,7 @@ impl MountArgs {
             ("read-only", self.read_only),
             ("allow-other", self.allow_other),
             ("allow-root", self.allow_root),
+            ("sync-create", self.sync_create),
             ("debug", self.debug),
         ] {
             if on {
@@ -160,6 +164,7 @@ pub fn fs_config(cfg: &MountConfig) -> FsConfig {
         part_size: cfg.part_size,
         max_concurrency: cfg.max_concurrency,
         max_prefetch_memory: cfg.max_prefetch_memory,
+        sync_create: cfg.sync_create,
         ..FsConfig::default()
     }
 }
