@@ -15,6 +15,7 @@
 #   --peer-runs N  runs of s3fs and rclone (default 1: they are slow, ~8 and ~5 min a run)
 #   --only L  which mounts to run (default all three; missing peers are skipped anyway)
 #   --keep    keep the work directory (logs, moto request log, raw results)
+# Environment: S3CSI_ARGS="--max-concurrency 32" adds flags to every s3csi mount.
 # Needs root (FUSE), fuse3, python3 with moto[server] and waitress (pip install
 # 'moto[server]' waitress); s3fs and rclone are optional (apt-get install s3fs rclone).
 set -uo pipefail
@@ -32,7 +33,7 @@ while [ $# -gt 0 ]; do
     --only) ONLY=$2; shift ;;
     --no-build) BUILD=0 ;;
     --keep) KEEP=1 ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -185,8 +186,9 @@ mount_fs() { # FS RUN
   mkdir -p "$MNT"
   case $fs in
     s3csi)
+      # shellcheck disable=SC2086 # S3CSI_ARGS: extra mount flags, split on spaces
       "$S3CSI" mount --foreground --endpoint-url "http://127.0.0.1:$p" --force-path-style \
-        --log-file "$WORK/s3csi-$run.log" "$b" "$MNT" >>"$WORK/s3csi-$run.log" 2>&1 &
+        ${S3CSI_ARGS:-} --log-file "$WORK/s3csi-$run.log" "$b" "$MNT" >>"$WORK/s3csi-$run.log" 2>&1 &
       ;;
     s3fs)
       printf '%s:%s\n' "$AWS_ACCESS_KEY_ID" "$AWS_SECRET_ACCESS_KEY" >"$WORK/passwd-s3fs"
