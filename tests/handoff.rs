@@ -91,6 +91,15 @@ fn killed_mounter_is_replaced_and_the_workload_carries_on() {
     let old_pid = server.mounter_pid();
 
     kill9(old_pid);
+    // kill(2) returns before the process is gone; ask the node service only once it is.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while std::fs::read_to_string(format!("/proc/{old_pid}/stat")).is_ok_and(|st| {
+        !st.rsplit_once(')')
+            .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
+    }) {
+        assert!(Instant::now() < deadline, "the mounter survived SIGKILL");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let abnormal = rt.block_on(wait_replaced(&mut node, &bucket, &target, 1));
     eprintln!("conditions while replacing: {abnormal:?}");
     assert!(
