@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::node_service::{CsiServer, Mode};
+use common::node_service::{mount_cap, rw, CsiServer, Mode};
 use common::{is_mountpoint, new_bucket, scratch_dir};
 use s3csi::csi::pb::{self, volume_capability as vc};
 use s3csi::s3::ObjectClient;
@@ -43,21 +43,6 @@ async fn assert_serving(server: &mut CsiServer) {
     );
 }
 
-fn cap(flags: &[&str], mode: vc::access_mode::Mode, group: &str) -> pb::VolumeCapability {
-    pb::VolumeCapability {
-        access_type: Some(vc::AccessType::Mount(vc::MountVolume {
-            fs_type: String::new(),
-            mount_flags: flags.iter().map(|s| s.to_string()).collect(),
-            volume_mount_group: group.to_string(),
-        })),
-        access_mode: Some(vc::AccessMode { mode: mode as i32 }),
-    }
-}
-
-fn rw() -> pb::VolumeCapability {
-    cap(&[], vc::access_mode::Mode::MultiNodeMultiWriter, "")
-}
-
 type Edit = Box<dyn Fn(&mut pb::NodePublishVolumeRequest)>;
 
 fn big(n: usize) -> String {
@@ -82,7 +67,11 @@ async fn malformed_node_requests_get_the_right_code_and_never_panic() {
     let mib = big(1 << 20);
     let with_flags = |flags: &'static [&'static str]| -> Edit {
         Box::new(move |r| {
-            r.volume_capability = Some(cap(flags, vc::access_mode::Mode::SingleNodeWriter, ""))
+            r.volume_capability = Some(mount_cap(
+                flags,
+                vc::access_mode::Mode::SingleNodeWriter,
+                "",
+            ))
         })
     };
     let ctx = |k: &'static str, v: String| -> Edit {
@@ -288,8 +277,11 @@ async fn malformed_node_requests_get_the_right_code_and_never_panic() {
         (
             "bad gid group",
             Box::new(|r| {
-                r.volume_capability =
-                    Some(cap(&[], vc::access_mode::Mode::SingleNodeWriter, "wheel"))
+                r.volume_capability = Some(mount_cap(
+                    &[],
+                    vc::access_mode::Mode::SingleNodeWriter,
+                    "wheel",
+                ))
             }),
             Code::InvalidArgument,
             "volume_mount_group",

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::node_service::{publish_req, read, CsiServer, Mode, Options};
+use common::node_service::{mount_cap, publish_req, read, rw, CsiServer, Mode, Options};
 use common::{is_mountpoint, new_bucket, scratch_dir, ACCESS_KEY, SECRET_KEY};
 use s3csi::csi::pb::{self, volume_capability as vc};
 use s3csi::s3::aws::AwsClient;
@@ -26,21 +26,6 @@ fn csi_in(dir: PathBuf, mode: Mode) -> Options {
 /// in AWS_*).
 fn start(mode: Mode) -> CsiServer {
     csi_in(scratch_dir("csi"), mode).start()
-}
-
-fn mount_cap(flags: &[&str], mode: vc::access_mode::Mode, group: &str) -> pb::VolumeCapability {
-    pb::VolumeCapability {
-        access_type: Some(vc::AccessType::Mount(vc::MountVolume {
-            fs_type: String::new(),
-            mount_flags: flags.iter().map(|s| s.to_string()).collect(),
-            volume_mount_group: group.to_string(),
-        })),
-        access_mode: Some(vc::AccessMode { mode: mode as i32 }),
-    }
-}
-
-fn rw() -> pb::VolumeCapability {
-    mount_cap(&[], vc::access_mode::Mode::MultiNodeMultiWriter, "")
 }
 
 fn unpublish_req(volume_id: &str, target: &Path) -> pb::NodeUnpublishVolumeRequest {

@@ -20,6 +20,21 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 
+/// Keeps a stalled connection open, discarding what the client sends, until the client
+/// gives up and closes it (or 10 minutes pass).
+async fn hold_until_closed(client: &mut (impl tokio::io::AsyncRead + Unpin)) {
+    let mut sink = [0u8; 1024];
+    let _ = tokio::time::timeout(Duration::from_secs(600), async {
+        loop {
+            match client.read(&mut sink).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+}
+
 /// What a firing rule does to the request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
@@ -370,17 +385,7 @@ impl FaultProxy {
                     continue;
                 }
                 Some(Fault::Stall) => {
-                    // Hold on until the client gives up and closes (or 10 minutes).
-                    let mut sink = [0u8; 1024];
-                    let _ = tokio::time::timeout(Duration::from_secs(600), async {
-                        loop {
-                            match client.read(&mut sink).await {
-                                Ok(0) | Err(_) => break,
-                                Ok(_) => {}
-                            }
-                        }
-                    })
-                    .await;
+                    hold_until_closed(&mut client).await;
                     return Ok(());
                 }
                 Some(Fault::Delay(d)) => tokio::time::sleep(d).await,
@@ -451,16 +456,7 @@ impl FaultProxy {
                         .unwrap_or(0);
                     let cut = head_end + (resp.len() - head_end) / 2;
                     client.get_mut().write_all(&resp[..cut]).await?;
-                    let mut sink = [0u8; 1024];
-                    let _ = tokio::time::timeout(Duration::from_secs(600), async {
-                        loop {
-                            match client.read(&mut sink).await {
-                                Ok(0) | Err(_) => break,
-                                Ok(_) => {}
-                            }
-                        }
-                    })
-                    .await;
+                    hold_until_closed(&mut client).await;
                     return Ok(());
                 }
                 _ => {}

@@ -30,24 +30,39 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// `moto_server` on 127.0.0.1:`port` (the binary from $MOTO_SERVER if set), killed when
+/// the thread that spawns it exits.
+fn moto_command(port: u16) -> (String, Command) {
+    let bin = std::env::var("MOTO_SERVER").unwrap_or_else(|_| "moto_server".into());
+    let mut cmd = Command::new(&bin);
+    cmd.args(["-H", "127.0.0.1", "-p", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+    (bin, cmd)
+}
+
+fn wait_for_moto(port: u16) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "moto_server did not start");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// The shared moto server, started on first use. Killed with the test process
 /// (moto_server is spawned with a parent-death signal).
 pub fn s3() -> &'static S3Server {
     static SERVER: OnceLock<S3Server> = OnceLock::new();
     SERVER.get_or_init(|| {
         let port = free_port();
-        let bin = std::env::var("MOTO_SERVER").unwrap_or_else(|_| "moto_server".into());
-        let mut cmd = Command::new(&bin);
-        cmd.args(["-H", "127.0.0.1", "-p", &port.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        unsafe {
-            use std::os::unix::process::CommandExt;
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
+        let (bin, mut cmd) = moto_command(port);
         // PR_SET_PDEATHSIG fires when the spawning *thread* exits, so spawn from a
         // thread that lives as long as the test process.
         let (tx, rx) = std::sync::mpsc::channel();
@@ -65,11 +80,7 @@ pub fn s3() -> &'static S3Server {
             .recv()
             .unwrap()
             .unwrap_or_else(|e| panic!("cannot start {bin} (pip install 'moto[server]'): {e}"));
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "moto_server did not start");
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        wait_for_moto(port);
         S3Server {
             endpoint: format!("http://127.0.0.1:{port}"),
             _child: child,
@@ -87,27 +98,12 @@ pub struct OwnMoto {
 impl OwnMoto {
     pub fn start(env: &[(&str, &str)]) -> OwnMoto {
         let port = free_port();
-        let bin = std::env::var("MOTO_SERVER").unwrap_or_else(|_| "moto_server".into());
-        let mut cmd = Command::new(&bin);
-        cmd.args(["-H", "127.0.0.1", "-p", &port.to_string()])
-            .envs(env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        unsafe {
-            use std::os::unix::process::CommandExt;
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                Ok(())
-            });
-        }
+        let (bin, mut cmd) = moto_command(port);
         let child = cmd
+            .envs(env.iter().copied())
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {bin} (pip install 'moto[server]'): {e}"));
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "moto_server did not start");
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        wait_for_moto(port);
         OwnMoto {
             endpoint: format!("http://127.0.0.1:{port}"),
             child,

@@ -349,16 +349,28 @@ pub fn read(p: &Path) -> String {
     std::fs::read_to_string(p).unwrap_or_default()
 }
 
+/// A mount capability with these mount flags, access mode and volume mount group.
+pub fn mount_cap(flags: &[&str], mode: vc::access_mode::Mode, group: &str) -> pb::VolumeCapability {
+    pb::VolumeCapability {
+        access_type: Some(vc::AccessType::Mount(vc::MountVolume {
+            fs_type: String::new(),
+            mount_flags: flags.iter().map(|s| s.to_string()).collect(),
+            volume_mount_group: group.to_string(),
+        })),
+        access_mode: Some(vc::AccessMode { mode: mode as i32 }),
+    }
+}
+
+/// Read-write for many nodes, no flags: what most tests mount with.
+pub fn rw() -> pb::VolumeCapability {
+    mount_cap(&[], vc::access_mode::Mode::MultiNodeMultiWriter, "")
+}
+
 pub fn publish_req(volume_id: &str, target: &Path) -> pb::NodePublishVolumeRequest {
     pb::NodePublishVolumeRequest {
         volume_id: volume_id.to_string(),
         target_path: target.to_string_lossy().to_string(),
-        volume_capability: Some(pb::VolumeCapability {
-            access_type: Some(vc::AccessType::Mount(vc::MountVolume::default())),
-            access_mode: Some(vc::AccessMode {
-                mode: vc::access_mode::Mode::MultiNodeMultiWriter as i32,
-            }),
-        }),
+        volume_capability: Some(rw()),
         volume_context: HashMap::from([
             ("endpointUrl".to_string(), s3().endpoint.clone()),
             ("region".to_string(), "us-east-1".to_string()),
