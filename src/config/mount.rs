@@ -104,6 +104,8 @@ pub struct MountConfig {
     pub max_prefetch_memory: u64,
     /// Close of a new empty file waits until the object is in S3 (default: it does not).
     pub sync_create: bool,
+    /// `unlink` waits until S3 has deleted the object (default: only the first one does).
+    pub sync_delete: bool,
     pub debug: bool,
 }
 
@@ -126,6 +128,7 @@ impl MountConfig {
             max_concurrency: 16,
             max_prefetch_memory: 512 * MIB,
             sync_create: false,
+            sync_delete: false,
             debug: false,
         }
     }
@@ -217,6 +220,7 @@ impl MountConfig {
                 self.max_prefetch_memory = size;
             }
             "sync-create" => self.sync_create = flag(value)?,
+            "sync-delete" => self.sync_delete = flag(value)?,
             "debug" => self.debug = flag(value)?,
             // Generic options mount(8) and fstab pass to every helper; they mean nothing here.
             "defaults" | "auto" | "noauto" | "user" | "nouser" | "users" | "-netdev" | "netdev"
@@ -325,11 +329,11 @@ mod tests {
         c.apply_option_list(
             "ro,uid=1000,gid=2000,file_mode=0640,dir-mode=750,allow_other,metadata-ttl=500ms,\
              part-size=16MiB,max-concurrency=4,region=eu-west-1,endpoint-url=http://127.0.0.1:9000,\
-             force-path-style,prefix=p,sync_create,defaults,_netdev,nofail",
+             force-path-style,prefix=p,sync_create,sync-delete,defaults,_netdev,nofail",
         )
         .unwrap();
         assert!(c.read_only && c.allow_other && c.endpoint.force_path_style);
-        assert!(c.sync_create);
+        assert!(c.sync_create && c.sync_delete);
         assert_eq!(
             (c.uid, c.gid, c.file_mode, c.dir_mode),
             (1000, 2000, 0o640, 0o750)

@@ -15,6 +15,7 @@
 //!   durable at close/fsync (see `upload.rs`). Everything else that would need a
 //!   read-modify-write of an object is refused with a clear errno.
 
+pub mod deletes;
 pub mod error;
 pub mod fuse;
 pub mod inode;
@@ -25,11 +26,12 @@ pub mod upload;
 
 use crate::s3::{ListPage, ListRequest, ObjectClient, S3Error};
 use bytes::Bytes;
+use deletes::DeferredDeletes;
 pub use error::{FsError, FsResult};
 use inode::{Inode, InodeTable, Kind};
 use prefetch::{PrefetchConfig, Prefetcher, BUDGET_UNIT};
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 use tokio::sync::Semaphore;
@@ -60,6 +62,8 @@ pub struct FsConfig {
     pub prefetch: PrefetchConfig,
     /// Close of a new empty file waits for its PUT (see `S3Fs::defer_empty`).
     pub sync_create: bool,
+    /// `unlink` waits for S3 to answer its DELETE (see `deletes.rs`).
+    pub sync_delete: bool,
 }
 
 impl Default for FsConfig {
@@ -77,6 +81,7 @@ impl Default for FsConfig {
             max_prefetch_memory: 512 * 1024 * 1024,
             prefetch: PrefetchConfig::default(),
             sync_create: false,
+            sync_delete: false,
         }
     }
 }
@@ -140,7 +145,14 @@ struct PendingCreate {
     creator: u64,
     /// Held by the PUT task until the PUT is done, then holds its outcome.
     done: Arc<tokio::sync::Mutex<Option<Result<(), S3Error>>>>,
+    /// `PUT_QUEUED` until the task sends the PUT (`PUT_SENT`), unless `unlink` got there
+    /// first (`PUT_CANCELLED`).
+    state: Arc<AtomicU8>,
 }
+
+const PUT_QUEUED: u8 = 0;
+const PUT_SENT: u8 = 1;
+const PUT_CANCELLED: u8 = 2;
 
 struct DirStream {
     ino: u64,
@@ -162,7 +174,9 @@ enum Handle {
 }
 
 pub struct S3Fs {
+    /// `deletes`, seen as the object client.
     client: Arc<dyn ObjectClient>,
+    deletes: Arc<DeferredDeletes>,
     cfg: FsConfig,
     inodes: Arc<Mutex<InodeTable>>,
     handles: Mutex<HashMap<u64, Handle>>,
@@ -244,13 +258,15 @@ impl S3Fs {
     pub fn new(client: Arc<dyn ObjectClient>, cfg: FsConfig) -> Self {
         let mount_time = SystemTime::now();
         let units = (cfg.max_prefetch_memory / BUDGET_UNIT).min(u32::MAX as u64 / 2) as usize;
+        let deletes = Arc::new(DeferredDeletes::new(client, !cfg.sync_delete));
         Self {
             inodes: Arc::new(Mutex::new(InodeTable::new(
                 cfg.prefix.clone(),
                 mount_time,
                 INODE_CAP,
             ))),
-            client,
+            client: deletes.clone(),
+            deletes,
             cfg,
             handles: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
@@ -280,7 +296,6 @@ impl S3Fs {
     }
 
     fn attr_of(&self, i: &Inode) -> Attr {
-        let writing = i.writer.is_some();
         Attr {
             ino: i.ino,
             kind: i.kind,
@@ -296,12 +311,10 @@ impl S3Fs {
             },
             uid: self.cfg.uid,
             gid: self.cfg.gid,
-            // A file being written changes size with every write: never let the kernel cache it.
-            ttl: if writing {
-                Duration::ZERO
-            } else {
-                self.cfg.metadata_ttl
-            },
+            // Also while a file is being written: every write goes through the kernel, which
+            // updates the size itself and drops its cached times, so a cached answer cannot go
+            // stale; and `stat` right after creating a file costs no round trip to us.
+            ttl: self.cfg.metadata_ttl,
         }
     }
 
@@ -854,6 +867,7 @@ impl S3Fs {
     fn defer_empty(&self, ino: u64, key: &str, fh: u64) -> bool {
         let done = Arc::new(tokio::sync::Mutex::new(None));
         let mine = done.clone();
+        let state = Arc::new(AtomicU8::new(PUT_QUEUED));
         let Ok(mut guard) = done.clone().try_lock_owned() else {
             return false;
         };
@@ -868,7 +882,14 @@ impl S3Fs {
             i.writer = None;
             i.size = 0;
             i.mtime = SystemTime::now();
-            lock(&self.pending).insert(ino, PendingCreate { creator: fh, done });
+            lock(&self.pending).insert(
+                ino,
+                PendingCreate {
+                    creator: fh,
+                    done,
+                    state: state.clone(),
+                },
+            );
         }
         let (client, inodes, pending, slots) = (
             self.client.clone(),
@@ -879,6 +900,18 @@ impl S3Fs {
         let key = key.to_string();
         tokio::spawn(async move {
             let slot = slots.acquire_owned().await;
+            let sending =
+                state.compare_exchange(PUT_QUEUED, PUT_SENT, Ordering::SeqCst, Ordering::SeqCst);
+            if sending.is_err() {
+                // Unlinked before its turn came: the file never reaches S3 (see `cancel_put`).
+                lock(&inodes).forget(ino, 0);
+                *guard = Some(Ok(()));
+                let mut p = lock(&pending);
+                if p.get(&ino).is_some_and(|p| Arc::ptr_eq(&p.done, &mine)) {
+                    p.remove(&ino);
+                }
+                return;
+            }
             let result = client.put_object(&key, Bytes::new()).await;
             drop(slot);
             let mut t = lock(&inodes);
@@ -916,6 +949,22 @@ impl S3Fs {
             }
         });
         true
+    }
+
+    /// Drops the empty PUT of `ino` if it has not been sent yet, so that unlinking a file
+    /// that never reached S3 costs no request at all; true then. The inode stays
+    /// `local_only`, which tells `unlink` there is nothing to DELETE.
+    fn cancel_put(&self, ino: u64) -> bool {
+        lock(&self.pending).get(&ino).is_some_and(|p| {
+            p.state
+                .compare_exchange(
+                    PUT_QUEUED,
+                    PUT_CANCELLED,
+                    Ordering::SeqCst,
+                    Ordering::SeqCst,
+                )
+                .is_ok()
+        })
     }
 
     /// Waits until the empty object of `ino` is in S3, if its PUT is under way; EIO if
@@ -995,7 +1044,7 @@ impl S3Fs {
                 }
             }
         }
-        failed
+        failed + self.deletes.drain().await
     }
 
     pub async fn mkdir(&self, parent: u64, name: &str) -> FsResult<Attr> {
@@ -1086,13 +1135,18 @@ impl S3Fs {
         if child.kind == Kind::Dir {
             return Err(FsError::IsDir);
         }
-        // The DELETE must come after an empty file's PUT, or the file would come back.
-        if self.await_pending(child.ino).await.is_err() {
-            // The creation failed and the name is gone; its PUT may have landed all the same.
-            self.client
-                .delete_object(&format!("{}{}", p.key, name))
-                .await?;
-            return Ok(());
+        // An empty file's PUT that has not been sent is dropped: nothing reaches S3. One
+        // that is under way is followed by the DELETE (even if it fails: it may have landed
+        // all the same), without waiting for it here.
+        if !self.cancel_put(child.ino) {
+            let put = lock(&self.pending).get(&child.ino).map(|p| p.done.clone());
+            if let Some(put) = put {
+                let key = format!("{}{}", p.key, name);
+                let put_done = async move { drop(put.lock().await) };
+                self.deletes.delete_after(&key, put_done).await?;
+                lock(&self.inodes).unbind(parent, name);
+                return Ok(());
+            }
         }
         let child = lock(&self.inodes)
             .child(parent, name)

@@ -74,6 +74,9 @@ pub struct MountArgs {
     /// Make close of a new empty file wait until the object is in S3
     #[arg(long)]
     pub sync_create: bool,
+    /// Make every unlink wait until S3 has deleted the object
+    #[arg(long)]
+    pub sync_delete: bool,
     /// Log every request at debug level
     #[arg(long)]
     pub debug: bool,
@@ -142,6 +145,7 @@ impl MountArgs {
             ("allow-other", self.allow_other),
             ("allow-root", self.allow_root),
             ("sync-create", self.sync_create),
+            ("sync-delete", self.sync_delete),
             ("debug", self.debug),
         ] {
             if on {
@@ -165,6 +169,7 @@ pub fn fs_config(cfg: &MountConfig) -> FsConfig {
         max_concurrency: cfg.max_concurrency,
         max_prefetch_memory: cfg.max_prefetch_memory,
         sync_create: cfg.sync_create,
+        sync_delete: cfg.sync_delete,
         ..FsConfig::default()
     }
 }
