@@ -12,7 +12,7 @@ from collections import defaultdict
 ap = argparse.ArgumentParser()
 ap.add_argument("results")
 ap.add_argument("notes")
-for a in ["peer-runs", "rtt", "big", "touch", "objects", "dirs", "wu", "md", "runs", "elapsed", "versions"]:
+for a in ["peer-runs", "rtt", "big", "touch", "objects", "dirs", "wu", "md", "runs", "elapsed", "versions", "cpus"]:
     ap.add_argument("--" + a, default="")
 args = ap.parse_args()
 
@@ -95,7 +95,8 @@ p = out.append
 p(f"# s3csi benchmark — {args.rtt} ms RTT")
 p("")
 p(
-    f"Machine: {platform.node()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}. "
+    f"Machine: {platform.node()}, {os.cpu_count()} CPUs ({args.cpus or 'shared'}), "
+    f"{platform.system()} {platform.release()}. "
     f"S3 server: moto on loopback (ranged GETs patched to O(range), see bench/moto_server.py) "
     f"behind `s3bench proxy` ({args.rtt} ms RTT, +1 RTT per new connection), one proxy and "
     f"one bucket per client. Medians of {args.runs} run(s) for s3csi and raw S3, "

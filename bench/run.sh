@@ -15,6 +15,11 @@
 #   --peer-runs N  runs of s3fs and rclone (default 1: they are slow, ~8 and ~5 min a run)
 #   --only L  which mounts to run (default all three; missing peers are skipped anyway)
 #   --keep    keep the work directory (logs, moto request log, raw results)
+#   --no-pin  share all CPUs between the S3 server side and the clients (see below)
+# CPUs: with 2 or more, the S3 server side (moto and the latency proxies, which stand for
+# the remote store and the network) runs on the last CPU and every client (mounts,
+# workloads, raw S3) on the others, so that a client that spends more CPU does not slow the
+# server all clients share and a remote S3 would not share with them.
 # Environment: S3CSI_ARGS="--max-concurrency 32" adds flags to every s3csi mount.
 # Needs root (FUSE), fuse3, python3 with moto[server] and waitress (pip install
 # 'moto[server]' waitress); s3fs and rclone are optional (apt-get install s3fs rclone).
@@ -22,7 +27,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
-QUICK=0 FULL=0 RTT=10 RUNS="" PEER_RUNS="" ONLY="s3csi s3fs rclone" BUILD=1 KEEP=0
+QUICK=0 FULL=0 RTT=10 RUNS="" PEER_RUNS="" ONLY="s3csi s3fs rclone" BUILD=1 KEEP=0 PIN=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
@@ -33,7 +38,8 @@ while [ $# -gt 0 ]; do
     --only) ONLY=$2; shift ;;
     --no-build) BUILD=0 ;;
     --keep) KEEP=1 ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    --no-pin) PIN=0 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -87,8 +93,16 @@ log() { echo "[$(date +%T)] $*" >&2; }
 now() { date +%s.%N; }
 
 # ---------------------------------------------------------------- S3 server and proxies
+NCPU=$(nproc)
+SERVER_SIDE=()
+CPUS="all $NCPU CPUs shared"
+if [ "$PIN" = 1 ] && [ "$NCPU" -ge 2 ] && command -v taskset >/dev/null; then
+  SERVER_SIDE=(taskset -c "$((NCPU - 1))")
+  taskset -cp "0-$((NCPU - 2))" $$ >/dev/null   # this script and every client it starts
+  CPUS="S3 server side (moto, proxies) on CPU $((NCPU - 1)), clients on CPU 0-$((NCPU - 2))"
+fi
 MPORT=$(free_port)
-python3 bench/moto_server.py -H 127.0.0.1 -p "$MPORT" >"$WORK/moto.log" 2>&1 &
+"${SERVER_SIDE[@]}" python3 bench/moto_server.py -H 127.0.0.1 -p "$MPORT" >"$WORK/moto.log" 2>&1 &
 PIDS+=($!)
 DIRECT=http://127.0.0.1:$MPORT
 for _ in $(seq 100); do curl -s -o /dev/null "$DIRECT" && break; sleep 0.2; done
@@ -107,14 +121,14 @@ done
 declare -A PPORT
 for c in $CLIENTS; do
   PPORT[$c]=$(free_port)
-  "$BENCH" proxy --listen "127.0.0.1:${PPORT[$c]}" --upstream "127.0.0.1:$MPORT" \
+  "${SERVER_SIDE[@]}" "$BENCH" proxy --listen "127.0.0.1:${PPORT[$c]}" --upstream "127.0.0.1:$MPORT" \
     --delay-ms "$DELAY_MS" >"$WORK/proxy-$c.log" 2>&1 &
   PIDS+=($!)
 done
 sleep 0.5
 bucket() { echo "bench-$1"; }
 
-log "moto on $DIRECT, RTT ${RTT} ms, clients: $CLIENTS, big object $BIG, runs $RUNS, work dir $WORK"
+log "moto on $DIRECT, RTT ${RTT} ms, clients: $CLIENTS, big object $BIG, runs $RUNS, work dir $WORK; $CPUS"
 for c in $CLIENTS; do
   curl -sf -X PUT "$DIRECT/$(bucket "$c")" >/dev/null || { echo "cannot create bucket" >&2; exit 1; }
   log "setup $c: uploading big.bin ($BIG)"
@@ -293,7 +307,7 @@ ELAPSED=$(($(date +%s) - T_START))
 mkdir -p bench/results
 python3 bench/report.py "$RES" "$NOTES" \
   --rtt "$RTT" --big "$BIG" --touch "$TOUCH_N" --objects "$((DIRS * FILES))" --dirs "$DIRS" \
-  --wu "$WU_N" --md "$MD_N" --runs "$RUNS" --peer-runs "$PEER_RUNS" --elapsed "$ELAPSED" \
+  --wu "$WU_N" --md "$MD_N" --cpus "$CPUS" --runs "$RUNS" --peer-runs "$PEER_RUNS" --elapsed "$ELAPSED" \
   --versions "s3csi $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null)$(git -C "$ROOT" diff --quiet 2>/dev/null || echo '+dirty'); $(s3fs --version 2>/dev/null | head -1 | sed 's/ (commit.*//'); $(rclone version 2>/dev/null | head -1); moto $(python3 -c 'import moto;print(moto.__version__)')" \
   >bench/results/latest.md
 cat bench/results/latest.md

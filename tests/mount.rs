@@ -25,7 +25,7 @@ fn errno_of(e: std::io::Error) -> i32 {
 #[test]
 fn files_and_directories_round_trip() {
     let bucket = new_bucket("basic");
-    let m = Mount::start(&bucket, &[]);
+    let mut m = Mount::start(&bucket, &[]);
     fs::write(m.path("hello.txt"), b"hello world").unwrap();
     assert_eq!(fs::read(m.path("hello.txt")).unwrap(), b"hello world");
     assert_eq!(s3_get(&bucket, "hello.txt").unwrap(), b"hello world");
@@ -55,7 +55,7 @@ fn files_and_directories_round_trip() {
     assert_eq!(fs::metadata(m.path("hello.txt")).unwrap().len(), 11);
 
     fs::remove_file(m.path("hello.txt")).unwrap();
-    assert!(s3_get(&bucket, "hello.txt").is_none());
+    assert!(!m.path("hello.txt").exists());
     assert_eq!(
         errno_of(fs::remove_file(m.path("nope")).unwrap_err()),
         libc::ENOENT
@@ -64,6 +64,9 @@ fn files_and_directories_round_trip() {
     fs::write(m.path("a"), b"aaa").unwrap();
     fs::rename(m.path("moved"), m.path("a")).unwrap();
     assert_eq!(fs::read(m.path("a")).unwrap(), b"x");
+    // Deletes after the first are sent in the background; unmount waits for them.
+    m.stop();
+    assert_eq!(s3_keys(&bucket, ""), ["a"]);
 }
 
 #[test]

@@ -112,11 +112,17 @@ impl DeferredDeletes {
         }
     }
 
-    async fn settle(&self, key: &str) {
+    /// Waits until no DELETE of `key` is under way.
+    pub async fn settle(&self, key: &str) {
         let done = lock(&self.ledger).pending.get(key).cloned();
         if let Some(done) = done {
             drop(done.lock().await);
         }
+    }
+
+    /// The wrapped client, for a write whose ordering the caller has settled itself.
+    pub fn unordered(&self) -> &Arc<dyn ObjectClient> {
+        &self.inner
     }
 
     async fn settle_prefix(&self, prefix: &str) {

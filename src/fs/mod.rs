@@ -891,8 +891,8 @@ impl S3Fs {
                 },
             );
         }
-        let (client, inodes, pending, slots) = (
-            self.client.clone(),
+        let (deletes, inodes, pending, slots) = (
+            self.deletes.clone(),
             self.inodes.clone(),
             self.pending.clone(),
             self.create_slots.clone(),
@@ -900,6 +900,10 @@ impl S3Fs {
         let key = key.to_string();
         tokio::spawn(async move {
             let slot = slots.acquire_owned().await;
+            // After an earlier DELETE of this name; waited for here, before the PUT counts
+            // as sent, because an `unlink` of this file from then on makes its own DELETE
+            // wait for this PUT (`delete_after`), and the two must not wait for each other.
+            deletes.settle(&key).await;
             let sending =
                 state.compare_exchange(PUT_QUEUED, PUT_SENT, Ordering::SeqCst, Ordering::SeqCst);
             if sending.is_err() {
@@ -912,7 +916,7 @@ impl S3Fs {
                 }
                 return;
             }
-            let result = client.put_object(&key, Bytes::new()).await;
+            let result = deletes.unordered().put_object(&key, Bytes::new()).await;
             drop(slot);
             let mut t = lock(&inodes);
             if let Some(i) = t

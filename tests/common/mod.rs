@@ -383,12 +383,11 @@ pub fn s3_get(bucket: &str, key: &str) -> Option<Vec<u8>> {
     use s3csi::s3::ObjectClient;
     let c = client(bucket);
     let meta = runtime().block_on(c.head_object(key)).ok()?;
-    Some(
-        runtime()
-            .block_on(c.get_range(key, 0, meta.size))
-            .unwrap()
-            .to_vec(),
-    )
+    // Deleted between the two requests (a DELETE sent in the background): gone.
+    match runtime().block_on(c.get_range(key, 0, meta.size)) {
+        Err(s3csi::s3::S3Error::NotFound) => None,
+        res => Some(res.unwrap().to_vec()),
+    }
 }
 
 /// Every key in the bucket under `prefix`, straight from the S3 server.
