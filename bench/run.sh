@@ -103,6 +103,7 @@ if [ "$PIN" = 1 ] && [ "$NCPU" -ge 2 ] && command -v taskset >/dev/null; then
 fi
 MPORT=$(free_port)
 "${SERVER_SIDE[@]}" python3 bench/moto_server.py -H 127.0.0.1 -p "$MPORT" >"$WORK/moto.log" 2>&1 &
+MOTO_PID=$!
 PIDS+=($!)
 DIRECT=http://127.0.0.1:$MPORT
 for _ in $(seq 100); do curl -s -o /dev/null "$DIRECT" && break; sleep 0.2; done
@@ -144,7 +145,19 @@ done
 # moto logs one line per request; each client has its own bucket and its own proxy, so the
 # requests and new connections of one workload are the lines added while it ran.
 MARK_M=0 MARK_P=0
-mark() { MARK_M=$(wc -l <"$WORK/moto.log"); MARK_P=$(wc -l <"$WORK/proxy-$1.log"); }
+# Every workload starts on a quiet machine: moto keeps objects in temporary files, so the
+# previous workload's data is still being written back to disk, and moto may still be busy
+# with it, when its last request has been answered; neither may slow down the next client.
+quiesce() {
+  sync
+  local cpu_ticks i a b
+  cpu_ticks() { awk '{print $14 + $15}' "/proc/$MOTO_PID/stat" 2>/dev/null || echo 0; }
+  for i in $(seq 60); do
+    a=$(cpu_ticks); sleep 0.5; b=$(cpu_ticks)
+    [ $((b - a)) -le 2 ] && break
+  done
+}
+mark() { quiesce; MARK_M=$(wc -l <"$WORK/moto.log"); MARK_P=$(wc -l <"$WORK/proxy-$1.log"); }
 # prints: total breakdown connections
 count() {
   local c=$1 b

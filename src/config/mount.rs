@@ -102,6 +102,8 @@ pub struct MountConfig {
     pub max_concurrency: usize,
     /// Bytes of read-ahead data all open files may hold together.
     pub max_prefetch_memory: u64,
+    /// Bytes of upload parts all files being written may have in flight together.
+    pub max_upload_memory: u64,
     /// Close of a new empty file waits until the object is in S3 (default: it does not).
     pub sync_create: bool,
     /// `unlink` waits until S3 has deleted the object (default: only the first one does).
@@ -127,6 +129,7 @@ impl MountConfig {
             part_size: 8 * MIB,
             max_concurrency: 16,
             max_prefetch_memory: 512 * MIB,
+            max_upload_memory: 256 * MIB,
             sync_create: false,
             sync_delete: false,
             debug: false,
@@ -218,6 +221,13 @@ impl MountConfig {
                     return Err(invalid(&key, "must be at least 8 MiB"));
                 }
                 self.max_prefetch_memory = size;
+            }
+            "max-upload-memory" => {
+                let size = parse_size(&key, &need(value)?)?;
+                if size < 8 * MIB {
+                    return Err(invalid(&key, "must be at least 8 MiB"));
+                }
+                self.max_upload_memory = size;
             }
             "sync-create" => self.sync_create = flag(value)?,
             "sync-delete" => self.sync_delete = flag(value)?,

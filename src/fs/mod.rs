@@ -59,6 +59,7 @@ pub struct FsConfig {
     pub part_size: u64,
     pub max_concurrency: usize,
     pub max_prefetch_memory: u64,
+    pub max_upload_memory: u64,
     pub prefetch: PrefetchConfig,
     /// Close of a new empty file waits for its PUT (see `S3Fs::defer_empty`).
     pub sync_create: bool,
@@ -79,6 +80,7 @@ impl Default for FsConfig {
             part_size: 8 * 1024 * 1024,
             max_concurrency: 16,
             max_prefetch_memory: 512 * 1024 * 1024,
+            max_upload_memory: 256 * 1024 * 1024,
             prefetch: PrefetchConfig::default(),
             sync_create: false,
             sync_delete: false,
@@ -182,6 +184,7 @@ pub struct S3Fs {
     handles: Mutex<HashMap<u64, Handle>>,
     next_fh: AtomicU64,
     prefetch_budget: Arc<Semaphore>,
+    upload_budget: upload::UploadBudget,
     mount_time: SystemTime,
     /// Empty new files whose PUT is under way, by inode.
     pending: Arc<Mutex<HashMap<u64, PendingCreate>>>,
@@ -259,6 +262,7 @@ impl S3Fs {
         let mount_time = SystemTime::now();
         let units = (cfg.max_prefetch_memory / BUDGET_UNIT).min(u32::MAX as u64 / 2) as usize;
         let deletes = Arc::new(DeferredDeletes::new(client, !cfg.sync_delete));
+        let upload_budget = upload::UploadBudget::new(cfg.max_upload_memory);
         Self {
             inodes: Arc::new(Mutex::new(InodeTable::new(
                 cfg.prefix.clone(),
@@ -271,6 +275,7 @@ impl S3Fs {
             handles: Mutex::new(HashMap::new()),
             next_fh: AtomicU64::new(1),
             prefetch_budget: Arc::new(Semaphore::new(units)),
+            upload_budget,
             mount_time,
             pending: Arc::new(Mutex::new(HashMap::new())),
             create_slots: Arc::new(Semaphore::new(CREATE_PUTS_IN_FLIGHT)),
@@ -584,7 +589,8 @@ impl S3Fs {
             self.client.clone(),
             key,
             self.cfg.part_size,
-            (self.cfg.max_concurrency / 2).max(2),
+            self.cfg.max_concurrency,
+            self.upload_budget.clone(),
         )
     }
 

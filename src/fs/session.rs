@@ -71,6 +71,9 @@ pub struct MountArgs {
     /// Read-ahead memory shared by all open files [default: 512MiB]
     #[arg(long, value_name = "SIZE")]
     pub max_prefetch_memory: Option<String>,
+    /// Memory for upload parts in flight, shared by all files being written [default: 256MiB]
+    #[arg(long, value_name = "SIZE")]
+    pub max_upload_memory: Option<String>,
     /// Make close of a new empty file wait until the object is in S3
     #[arg(long)]
     pub sync_create: bool,
@@ -133,6 +136,7 @@ impl MountArgs {
             ("part-size", &self.part_size),
             ("max-concurrency", &self.max_concurrency),
             ("max-prefetch-memory", &self.max_prefetch_memory),
+            ("max-upload-memory", &self.max_upload_memory),
         ];
         for (name, value) in valued {
             if let Some(v) = value {
@@ -168,6 +172,7 @@ pub fn fs_config(cfg: &MountConfig) -> FsConfig {
         part_size: cfg.part_size,
         max_concurrency: cfg.max_concurrency,
         max_prefetch_memory: cfg.max_prefetch_memory,
+        max_upload_memory: cfg.max_upload_memory,
         sync_create: cfg.sync_create,
         sync_delete: cfg.sync_delete,
         ..FsConfig::default()

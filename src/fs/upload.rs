@@ -2,8 +2,9 @@
 //!
 //! Small files become one PutObject at close. Once a part's worth of data has been
 //! written, a multipart upload starts and full parts go up in the background, at most
-//! `max_inflight` at a time, so memory stays near `part_size * (max_inflight + 1)`
-//! whatever the file size. Part sizes double every 1000 parts so that the 10 000-part
+//! `max_inflight` at a time per file, and together only as many as the mount's
+//! [`UploadBudget`] holds, so memory stays bounded whatever the file size and however many
+//! files are written at once. Part sizes double every 1000 parts so that the 10 000-part
 //! limit is never reached before S3's 5 TiB object limit. Nothing is acknowledged as
 //! durable until [`Upload::finish`] has completed the upload; any failure there, or of
 //! an earlier part, is returned so close/fsync can report EIO.
@@ -13,7 +14,37 @@ use crate::s3::{CompletedPart, ObjectClient, ObjectMeta, S3Error};
 use bytes::{Bytes, BytesMut};
 use std::collections::VecDeque;
 use std::sync::Arc;
+use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
+
+/// Accounting unit of the upload budget.
+const BUDGET_UNIT: u64 = 64 * 1024;
+
+/// Memory for parts in flight, shared by every upload of a mount: a part waits for its
+/// share before it is sent and returns it when S3 has answered.
+#[derive(Clone)]
+pub struct UploadBudget {
+    units: Arc<Semaphore>,
+    total: u32,
+}
+
+impl UploadBudget {
+    pub fn new(bytes: u64) -> Self {
+        let total = (bytes / BUDGET_UNIT).clamp(1, u32::MAX as u64 / 2) as u32;
+        Self {
+            units: Arc::new(Semaphore::new(total as usize)),
+            total,
+        }
+    }
+
+    async fn take(&self, bytes: usize) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        // A part larger than the whole budget takes all of it, so it can still go.
+        let n = (bytes as u64)
+            .div_ceil(BUDGET_UNIT)
+            .clamp(1, self.total as u64) as u32;
+        self.units.clone().acquire_many_owned(n).await.ok()
+    }
+}
 
 const MAX_PART: u64 = 5 * 1024 * 1024 * 1024;
 
@@ -22,6 +53,7 @@ pub struct Upload {
     key: String,
     base_part_size: u64,
     max_inflight: usize,
+    budget: UploadBudget,
     written: u64,
     buf: BytesMut,
     upload_id: Option<String>,
@@ -37,12 +69,14 @@ impl Upload {
         key: String,
         part_size: u64,
         max_inflight: usize,
+        budget: UploadBudget,
     ) -> Self {
         Self {
             client,
             key,
             base_part_size: part_size,
             max_inflight: max_inflight.max(1),
+            budget,
             written: 0,
             buf: BytesMut::new(),
             upload_id: None,
@@ -111,13 +145,16 @@ impl Upload {
         while self.inflight.len() >= self.max_inflight {
             self.reap_one().await?;
         }
+        let share = self.budget.take(body.len()).await;
         let client = self.client.clone();
         let key = self.key.clone();
         let id = self.upload_id.clone().unwrap_or_default();
         let n = self.next_part;
         self.next_part += 1;
         self.inflight.push_back(tokio::spawn(async move {
-            client.upload_part(&key, &id, n, body).await
+            let res = client.upload_part(&key, &id, n, body).await;
+            drop(share);
+            res
         }));
         Ok(())
     }
@@ -198,7 +235,7 @@ mod tests {
     #[tokio::test]
     async fn multipart_stream_round_trips() {
         let mem = Arc::new(MemClient::new());
-        let mut up = Upload::new(mem.clone(), "k".into(), 5, 2);
+        let mut up = Upload::new(mem.clone(), "k".into(), 5, 2, UploadBudget::new(1 << 20));
         let data: Vec<u8> = (0..23u8).collect();
         for chunk in data.chunks(3).enumerate() {
             up.write((chunk.0 * 3) as u64, chunk.1).await.unwrap();
@@ -216,9 +253,40 @@ mod tests {
     #[tokio::test]
     async fn small_file_is_one_put() {
         let mem = Arc::new(MemClient::new());
-        let mut up = Upload::new(mem.clone(), "small".into(), 1024, 2);
+        let mut up = Upload::new(
+            mem.clone(),
+            "small".into(),
+            1024,
+            2,
+            UploadBudget::new(1 << 20),
+        );
         up.write(0, b"hello").await.unwrap();
         up.finish().await.unwrap();
         assert_eq!(mem.get("small").unwrap().as_ref(), b"hello");
+    }
+
+    #[tokio::test]
+    async fn uploads_sharing_a_budget_smaller_than_their_parts_all_complete() {
+        let mem = Arc::new(MemClient::new());
+        // Parts of 256 KiB against a budget of 64 KiB: one part in flight at a time, mount-wide.
+        let budget = UploadBudget::new(BUDGET_UNIT);
+        let data: Vec<u8> = (0..1_000_000u32).map(|i| (i % 251) as u8).collect();
+        let writers = (0..4).map(|w| {
+            let (mem, budget, data) = (mem.clone(), budget.clone(), data.clone());
+            tokio::spawn(async move {
+                let mut up = Upload::new(mem, format!("f{w}"), 256 * 1024, 8, budget);
+                for (i, c) in data.chunks(100_000).enumerate() {
+                    up.write((i * 100_000) as u64, c).await.unwrap();
+                }
+                up.finish().await.unwrap();
+            })
+        });
+        for w in writers.collect::<Vec<_>>() {
+            w.await.unwrap();
+        }
+        for w in 0..4 {
+            assert_eq!(mem.get(&format!("f{w}")).unwrap().as_ref(), &data[..]);
+        }
+        assert_eq!(budget.units.available_permits(), 1);
     }
 }
