@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 const DELETE_DELAY: Duration = Duration::from_millis(1500);
 
-/// A mount with `files` written through it (so they are in S3), whose later DELETEs each
+/// A mount with `files` written through it (their directories created; so they are in S3), whose later DELETEs each
 /// take `DELETE_DELAY` longer; the first `rm` (synchronous, before the delay) has been made.
 fn mount_with_slow_deletes(
     hint: &str,
@@ -29,6 +29,9 @@ fn mount_with_slow_deletes(
     fs::remove_file(m.path("first")).unwrap();
     assert!(s3_get(&bucket, "first").is_none(), "the first unlink waits");
     for f in files {
+        if let Some((dir, _)) = f.rsplit_once('/') {
+            fs::create_dir_all(m.path(dir)).unwrap();
+        }
         fs::write(m.path(f), f.as_bytes()).unwrap();
     }
     proxy.add_rule(Rule::op("DeleteObject", 1.0, Fault::Delay(DELETE_DELAY)));
@@ -84,17 +87,10 @@ fn a_file_created_again_after_rm_survives_the_older_delete() {
 
 #[test]
 fn rm_r_then_sigterm_deletes_everything() {
-    let bucket = new_bucket("dd-rmr");
-    let proxy = FaultProxy::start(&s3().endpoint, 1);
-    let mut m = Mount::try_start_with(&proxy.endpoint(), &bucket, &[], &[])
-        .unwrap_or_else(|e| panic!("{e}"));
-    fs::create_dir(m.path("d")).unwrap();
-    for i in 0..40 {
-        fs::write(m.path(&format!("d/f{i:02}")), b"x").unwrap();
-    }
-    fs::write(m.path("keep"), b"keep").unwrap();
-    proxy.add_rule(Rule::op("DeleteObject", 1.0, Fault::Delay(DELETE_DELAY)));
-    proxy.enable(true);
+    let mut files: Vec<String> = (0..40).map(|i| format!("d/f{i:02}")).collect();
+    files.push("keep".into());
+    let files: Vec<&str> = files.iter().map(String::as_str).collect();
+    let (mut m, _proxy) = mount_with_slow_deletes("dd-rmr", &[], &files);
     let start = Instant::now();
     assert!(Command::new("rm")
         .arg("-r")
@@ -102,8 +98,8 @@ fn rm_r_then_sigterm_deletes_everything() {
         .status()
         .unwrap()
         .success());
-    // 41 DELETEs held 1.5 s each: only the first (synchronous) and the directory marker's
-    // (after the listing that waits for the files' DELETEs) are waited for, the rest overlap.
+    // 41 DELETEs held 1.5 s each: only the listing before the directory's own DELETE
+    // waits, for the 40 file DELETEs at once.
     assert!(
         start.elapsed() < DELETE_DELAY * 10,
         "rm -r took {:?}: the DELETEs did not overlap",

@@ -17,6 +17,7 @@
 //! synchronously again (so a lost permission shows as an error to `rm`), and the name
 //! comes back on the next lookup that asks S3. `sync_delete` turns the deferral off.
 
+use super::lock;
 use crate::s3::{
     CompletedPart, ListPage, ListRequest, ObjectClient, ObjectMeta, S3Error, S3Result,
 };
@@ -72,10 +73,8 @@ impl Ledger {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
+/// Cloned into each background DELETE task: every field is shared.
+#[derive(Clone)]
 pub struct DeferredDeletes {
     inner: Arc<dyn ObjectClient>,
     ledger: Arc<Mutex<Ledger>>,
@@ -260,15 +259,7 @@ impl DeferredDeletes {
         lock(&self.ledger)
             .pending
             .insert(key.to_string(), done.clone());
-        let this = Self {
-            inner: self.inner.clone(),
-            ledger: self.ledger.clone(),
-            slots: self.slots.clone(),
-            queue: self.queue.clone(),
-            proven: self.proven.clone(),
-            enabled: self.enabled,
-            failed: self.failed.clone(),
-        };
+        let this = self.clone();
         let key = key.to_string();
         tokio::spawn(async move {
             after.await;

@@ -10,15 +10,13 @@
 //! an earlier part, is returned so close/fsync can report EIO.
 
 use super::error::{FsError, FsResult};
+use super::prefetch::BUDGET_UNIT;
 use crate::s3::{CompletedPart, ObjectClient, ObjectMeta, S3Error};
 use bytes::{Bytes, BytesMut};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
-
-/// Accounting unit of the upload budget.
-const BUDGET_UNIT: u64 = 64 * 1024;
 
 /// Memory for parts in flight, shared by every upload of a mount: a part waits for its
 /// share before it is sent and returns it when S3 has answered.
