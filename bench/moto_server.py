@@ -17,6 +17,17 @@
 4. `versionId=null` on an unversioned bucket means "the object" on real S3; moto answers
    400 (rclone sends it in the HEAD after an upload and then fails close with EIO). It is
    dropped from the query string.
+5. Objects live in memory. moto spools every object above 5 MiB to a temporary file, so a
+   1 GiB upload wrote 2 GiB to the local disk (parts, then the completed object) and the
+   server's data filled the page cache that a FUSE client shares with it and a remote
+   server would not (a FUSE read then paid for the reclaim: 199-251 MiB/s against
+   281-360 MiB/s after dropping caches). MOTO_S3_DEFAULT_KEY_BUFFER_SIZE keeps them in
+   memory (bench/run.sh deletes what each workload wrote).
+6. CompleteMultipartUpload without a checksum algorithm skips the full-object CRC64NVME
+   that moto computes by default: pure-Python work over a second copy of the whole object,
+   about half of moto's CPU in a 1 GiB write, paid serially after the last part, where S3
+   answers in a time that hardly depends on the object's size. Every client in the bench
+   asks for no checksum, so none loses anything it could check.
 
 Every request is logged on stderr as one line, `... "METHOD PATH HTTP/1.1" STATUS -`,
 like werkzeug's log, which bench/run.sh counts per workload.
@@ -84,9 +95,40 @@ def _get_object(self):
     return status, headers, body
 
 
+_orig_add_part = models.MultipartChecksumBuilder.addPart
+_orig_build = models.MultipartChecksumBuilder.build
+
+
+def _asked_for_checksum(builder):
+    # __init__ turns "no algorithm" into CRC64NVME/FULL_OBJECT; remember what was asked
+    return getattr(builder, "_s3bench_asked", True)
+
+
+def _add_part(self, part):
+    if _asked_for_checksum(self):
+        _orig_add_part(self, part)
+
+
+def _build(self):
+    return _orig_build(self) if _asked_for_checksum(self) else None
+
+
+_orig_builder_init = models.MultipartChecksumBuilder.__init__
+
+
+def _builder_init(self, checksum_algorithm, checksum_type):
+    _orig_builder_init(self, checksum_algorithm, checksum_type)
+    self._s3bench_asked = bool(checksum_algorithm)
+
+
 if not os.environ.get("S3BENCH_STOCK_MOTO"):
     models.FakeKey.value = property(_value, _orig_value.fset)
     responses.S3Response.get_object = _get_object
+    models.MultipartChecksumBuilder.__init__ = _builder_init
+    models.MultipartChecksumBuilder.addPart = _add_part
+    models.MultipartChecksumBuilder.build = _build
+    # read by moto when each key is created; 8 GiB: no object in the bench is spooled
+    os.environ.setdefault("MOTO_S3_DEFAULT_KEY_BUFFER_SIZE", str(8 << 30))
 
 def _logged(app):
     def wrapped(environ, start_response):

@@ -97,12 +97,13 @@ p("")
 p(
     f"Machine: {platform.node()}, {os.cpu_count()} CPUs ({args.cpus or 'shared'}), "
     f"{platform.system()} {platform.release()}. "
-    f"S3 server: moto on loopback (ranged GETs patched to O(range), see bench/moto_server.py) "
+    f"S3 server: moto on loopback (objects in memory, ranged GETs in O(range), no full-object "
+    f"CRC64 at multipart completion; see bench/moto_server.py) "
     f"behind `s3bench proxy` ({args.rtt} ms RTT, +1 RTT per new connection), one proxy and "
     f"one bucket per client. Medians of {args.runs} run(s) for s3csi and raw S3, "
     f"{args.peer_runs} for s3fs and rclone, each on a fresh mount; raw S3 = `s3bench raw-read` / "
     f"`raw-write` (aws-sdk-s3 via s3csi's client, 8 MiB parts, 16 in flight); "
-    f"bench time {args.elapsed} s."
+    f"page cache dropped before every workload; bench time {args.elapsed} s."
 )
 p(f"Versions: {args.versions}.")
 p(
