@@ -210,6 +210,97 @@ fn large_file_streams_through_multipart_and_reads_back() {
     assert_eq!(s3_hash, written_hash, "bytes in S3 differ");
 }
 
+/// Direct I/O (the default) and `--page-cache` move the same bytes: small and odd-sized
+/// writes, small and unaligned reads, MAP_SHARED and MAP_PRIVATE maps, and a script run
+/// from the mount (exec maps it).
+#[test]
+fn direct_io_and_page_cache_serve_the_same_bytes() {
+    use std::os::unix::fs::FileExt;
+    const SIZE: usize = 3 * 1024 * 1024 + 777;
+    let mut want = vec![0u8; SIZE];
+    pattern(5, &mut want);
+    for extra in [&[][..], &["--page-cache"][..], &["-o", "page_cache"][..]] {
+        let bucket = new_bucket("dataio");
+        let m = Mount::start(&bucket, extra);
+        {
+            let mut f = fs::File::create(m.path("f.bin")).unwrap();
+            // 1 byte, then 4 KiB, then odd sizes: nothing is aligned to a page
+            let mut off = 0;
+            for len in [1usize, 4096, 65_537, 1_000_003].iter().cycle() {
+                if off == SIZE {
+                    break;
+                }
+                let end = (off + len).min(SIZE);
+                f.write_all(&want[off..end]).unwrap();
+                off = end;
+            }
+            close_checked(f).unwrap();
+        }
+        assert_eq!(
+            s3_get(&bucket, "f.bin").as_deref(),
+            Some(&want[..]),
+            "{extra:?}"
+        );
+        let f = fs::File::open(m.path("f.bin")).unwrap();
+        let mut small = Vec::new();
+        let mut buf = [0u8; 4096];
+        let mut r = fs::File::open(m.path("f.bin")).unwrap();
+        loop {
+            let n = r.read(&mut buf).unwrap();
+            if n == 0 {
+                break;
+            }
+            small.extend_from_slice(&buf[..n]);
+        }
+        assert!(small == want, "4 KiB reads differ ({extra:?})");
+        for off in [0usize, 1, 4095, 1_048_577, SIZE - 3] {
+            let mut got = [0u8; 10];
+            let n = f.read_at(&mut got, off as u64).unwrap();
+            assert_eq!(
+                &got[..n],
+                &want[off..(off + 10).min(SIZE)],
+                "pread at {off} ({extra:?})"
+            );
+        }
+        for flags in [libc::MAP_SHARED, libc::MAP_PRIVATE] {
+            use std::os::fd::AsRawFd;
+            // SAFETY: a fresh read-only mapping of an open file, unmapped before `f` closes.
+            let mapped = unsafe {
+                let p = libc::mmap(
+                    std::ptr::null_mut(),
+                    SIZE,
+                    libc::PROT_READ,
+                    flags,
+                    f.as_raw_fd(),
+                    0,
+                );
+                assert_ne!(
+                    p,
+                    libc::MAP_FAILED,
+                    "mmap flags {flags} ({extra:?}): {}",
+                    std::io::Error::last_os_error()
+                );
+                let same = std::slice::from_raw_parts(p as *const u8, SIZE) == &want[..];
+                libc::munmap(p, SIZE);
+                same
+            };
+            assert!(mapped, "mapped bytes differ, flags {flags} ({extra:?})");
+        }
+        fs::write(m.path("run.sh"), "#!/bin/sh\necho ran from s3\n").unwrap();
+        std::fs::set_permissions(
+            m.path("run.sh"),
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )
+        .ok();
+        let out = Command::new("sh").arg(m.path("run.sh")).output().unwrap();
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "ran from s3\n",
+            "{extra:?}"
+        );
+    }
+}
+
 #[test]
 fn overwrite_truncate_and_refused_modifications() {
     let bucket = new_bucket("semantics");

@@ -108,6 +108,8 @@ pub struct MountConfig {
     pub sync_create: bool,
     /// `unlink` waits until S3 has deleted the object (default: only the first one does).
     pub sync_delete: bool,
+    /// File data goes through the kernel's page cache (default: direct I/O).
+    pub page_cache: bool,
     pub debug: bool,
 }
 
@@ -132,6 +134,7 @@ impl MountConfig {
             max_upload_memory: 256 * MIB,
             sync_create: false,
             sync_delete: false,
+            page_cache: false,
             debug: false,
         }
     }
@@ -231,6 +234,7 @@ impl MountConfig {
             }
             "sync-create" => self.sync_create = flag(value)?,
             "sync-delete" => self.sync_delete = flag(value)?,
+            "page-cache" => self.page_cache = flag(value)?,
             "debug" => self.debug = flag(value)?,
             // Generic options mount(8) and fstab pass to every helper; they mean nothing here.
             "defaults" | "auto" | "noauto" | "user" | "nouser" | "users" | "-netdev" | "netdev"
@@ -339,11 +343,11 @@ mod tests {
         c.apply_option_list(
             "ro,uid=1000,gid=2000,file_mode=0640,dir-mode=750,allow_other,metadata-ttl=500ms,\
              part-size=16MiB,max-concurrency=4,region=eu-west-1,endpoint-url=http://127.0.0.1:9000,\
-             force-path-style,prefix=p,sync_create,sync-delete,defaults,_netdev,nofail",
+             force-path-style,prefix=p,sync_create,sync-delete,page_cache,defaults,_netdev,nofail",
         )
         .unwrap();
         assert!(c.read_only && c.allow_other && c.endpoint.force_path_style);
-        assert!(c.sync_create && c.sync_delete);
+        assert!(c.sync_create && c.sync_delete && c.page_cache);
         assert_eq!(
             (c.uid, c.gid, c.file_mode, c.dir_mode),
             (1000, 2000, 0o640, 0o750)

@@ -17,11 +17,23 @@ use tokio::runtime::Handle;
 pub struct FuseAdapter {
     fs: Arc<S3Fs>,
     rt: Handle,
+    /// What `open` and `create` tell the kernel about a file's data.
+    file_flags: FopenFlags,
 }
 
 impl FuseAdapter {
     pub fn new(fs: Arc<S3Fs>, rt: Handle) -> Self {
-        Self { fs, rt }
+        // Direct I/O: a read is copied from our reply straight into the reader's buffer and
+        // a write straight from the writer's, instead of through page-cache pages that the
+        // kernel must allocate for every byte and throws away at the next open anyway (no
+        // FOPEN_KEEP_CACHE: another client may have replaced the object). The prefetcher
+        // and the uploader do the batching that readahead and write-back would.
+        let file_flags = if fs.config().page_cache {
+            FopenFlags::empty()
+        } else {
+            FopenFlags::FOPEN_DIRECT_IO
+        };
+        Self { fs, rt, file_flags }
     }
 }
 
@@ -82,6 +94,9 @@ impl Filesystem for FuseAdapter {
         // file is one upload, not a PUT of an empty object first.
         let _ = config.add_capabilities(InitFlags::FUSE_ATOMIC_O_TRUNC);
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
+        // Lets MAP_SHARED mmap work on direct-I/O files (Linux 6.6+; MAP_PRIVATE, which
+        // exec and the dynamic loader use, works on every kernel).
+        let _ = config.add_capabilities(InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP);
         let _ = config.set_max_readahead(1024 * 1024);
         let _ = config.set_max_background(64);
         let _ = config.set_congestion_threshold(48);
@@ -276,11 +291,12 @@ impl Filesystem for FuseAdapter {
 
     fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let fs = self.fs.clone();
+        let file_flags = self.file_flags;
         let mode = open_mode(flags.0);
         let opener = if mode.write { process_of(req) } else { None };
         self.rt.spawn(async move {
             match fs.open(ino.0, mode, opener).await {
-                Ok(fh) => reply.opened(FileHandle(fh), FopenFlags::empty()),
+                Ok(fh) => reply.opened(FileHandle(fh), file_flags),
                 Err(e) => reply.error(errno(&e)),
             }
         });
@@ -299,6 +315,7 @@ impl Filesystem for FuseAdapter {
         let fs = self.fs.clone();
         let name = name.to_owned();
         let opener = process_of(req);
+        let file_flags = self.file_flags;
         self.rt.spawn(async move {
             let res = match utf8(&name) {
                 Ok(n) => fs.create(parent.0, n, open_mode(flags), opener).await,
@@ -310,7 +327,7 @@ impl Filesystem for FuseAdapter {
                     &file_attr(&a),
                     Generation(0),
                     FileHandle(fh),
-                    FopenFlags::empty(),
+                    file_flags,
                 ),
                 Err(e) => reply.error(errno(&e)),
             }

@@ -65,6 +65,8 @@ pub struct FsConfig {
     pub sync_create: bool,
     /// `unlink` waits for S3 to answer its DELETE (see `deletes.rs`).
     pub sync_delete: bool,
+    /// Reads and writes go through the kernel's page cache instead of direct I/O.
+    pub page_cache: bool,
 }
 
 impl Default for FsConfig {
@@ -84,6 +86,7 @@ impl Default for FsConfig {
             prefetch: PrefetchConfig::default(),
             sync_create: false,
             sync_delete: false,
+            page_cache: false,
         }
     }
 }

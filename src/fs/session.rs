@@ -80,6 +80,10 @@ pub struct MountArgs {
     /// Make every unlink wait until S3 has deleted the object
     #[arg(long)]
     pub sync_delete: bool,
+    /// Let the kernel cache file data while a file is open (default: direct I/O, which
+    /// copies once and keeps no page cache; see README "Semantics")
+    #[arg(long)]
+    pub page_cache: bool,
     /// Log every request at debug level
     #[arg(long)]
     pub debug: bool,
@@ -150,6 +154,7 @@ impl MountArgs {
             ("allow-root", self.allow_root),
             ("sync-create", self.sync_create),
             ("sync-delete", self.sync_delete),
+            ("page-cache", self.page_cache),
             ("debug", self.debug),
         ] {
             if on {
@@ -175,6 +180,7 @@ pub fn fs_config(cfg: &MountConfig) -> FsConfig {
         max_upload_memory: cfg.max_upload_memory,
         sync_create: cfg.sync_create,
         sync_delete: cfg.sync_delete,
+        page_cache: cfg.page_cache,
         ..FsConfig::default()
     }
 }
