@@ -12,7 +12,7 @@ from collections import defaultdict
 ap = argparse.ArgumentParser()
 ap.add_argument("results")
 ap.add_argument("notes")
-for a in ["peer-runs", "rtt", "big", "touch", "objects", "dirs", "wu", "md", "runs", "elapsed", "versions", "cpus"]:
+for a in ["peer-runs", "rtt", "big", "touch", "objects", "dirs", "wu", "md", "runs", "elapsed", "versions", "cpus", "dropped-caches"]:
     ap.add_argument("--" + a, default="")
 args = ap.parse_args()
 
@@ -103,7 +103,8 @@ p(
     f"one bucket per client. Medians of {args.runs} run(s) for s3csi and raw S3, "
     f"{args.peer_runs} for s3fs and rclone, each on a fresh mount; raw S3 = `s3bench raw-read` / "
     f"`raw-write` (aws-sdk-s3 via s3csi's client, 8 MiB parts, 16 in flight); "
-    f"page cache dropped before every workload; bench time {args.elapsed} s."
+    f"page cache {'dropped' if args.dropped_caches == '1' else 'NOT dropped'} before every workload; "
+    f"bench time {args.elapsed} s."
 )
 p(f"Versions: {args.versions}.")
 p(

@@ -148,14 +148,20 @@ done
 # moto logs one line per request; each client has its own bucket and its own proxy, so the
 # requests and new connections of one workload are the lines added while it ran.
 MARK_M=0 MARK_P=0
-# Every workload starts on a quiet machine: moto keeps objects in temporary files, so the
-# previous workload's data is still being written back to disk, and moto may still be busy
-# with it, when its last request has been answered; neither may slow down the next client.
+# Every workload starts on a quiet machine: the previous workload's files may still be
+# written back to disk, and moto may still be busy, when its last request has been answered;
+# neither may slow down the next client.
+DROP_CACHES=0
+if [ -w /proc/sys/vm/drop_caches ] && echo 1 2>/dev/null >/proc/sys/vm/drop_caches; then
+  DROP_CACHES=1
+else
+  echo "the page cache could not be dropped between workloads (needs root and a writable /proc/sys)" >>"$NOTES"
+fi
 quiesce() {
   sync
   # page cache only (not dentries and inodes, which the metadata rows measure): no workload
   # starts with another's data in memory or pays for reclaiming it
-  [ -w /proc/sys/vm/drop_caches ] && echo 1 >/proc/sys/vm/drop_caches
+  [ "$DROP_CACHES" = 1 ] && echo 1 >/proc/sys/vm/drop_caches
   local cpu_ticks i a b
   cpu_ticks() { awk '{print $14 + $15}' "/proc/$MOTO_PID/stat" 2>/dev/null || echo 0; }
   for i in $(seq 60); do
@@ -328,7 +334,7 @@ ELAPSED=$(($(date +%s) - T_START))
 mkdir -p bench/results
 python3 bench/report.py "$RES" "$NOTES" \
   --rtt "$RTT" --big "$BIG" --touch "$TOUCH_N" --objects "$((DIRS * FILES))" --dirs "$DIRS" \
-  --wu "$WU_N" --md "$MD_N" --cpus "$CPUS" --runs "$RUNS" --peer-runs "$PEER_RUNS" --elapsed "$ELAPSED" \
+  --wu "$WU_N" --md "$MD_N" --cpus "$CPUS" --dropped-caches "$DROP_CACHES" --runs "$RUNS" --peer-runs "$PEER_RUNS" --elapsed "$ELAPSED" \
   --versions "s3csi $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null)$(git -C "$ROOT" diff --quiet 2>/dev/null || echo '+dirty'); $(s3fs --version 2>/dev/null | head -1 | sed 's/ (commit.*//'); $(rclone version 2>/dev/null | head -1); moto $(python3 -c 'import moto;print(moto.__version__)')" \
   >bench/results/latest.md
 cat bench/results/latest.md

@@ -17,24 +17,40 @@ use tokio::runtime::Handle;
 pub struct FuseAdapter {
     fs: Arc<S3Fs>,
     rt: Handle,
-    /// What `open` and `create` tell the kernel about a file's data.
+    /// What `open` and `create` tell the kernel about a file's data; decided at INIT.
     file_flags: FopenFlags,
+    /// Set for a replacement mounter: whether the connection it takes over negotiated
+    /// FUSE_DIRECT_IO_ALLOW_MMAP (the replayed INIT cannot change what was negotiated).
+    inherited_mmap_with_direct_io: Option<bool>,
 }
 
 impl FuseAdapter {
     pub fn new(fs: Arc<S3Fs>, rt: Handle) -> Self {
-        // Direct I/O: a read is copied from our reply straight into the reader's buffer and
-        // a write straight from the writer's, instead of through page-cache pages that the
-        // kernel must allocate for every byte and throws away at the next open anyway (no
-        // FOPEN_KEEP_CACHE: another client may have replaced the object). The prefetcher
-        // and the uploader do the batching that readahead and write-back would.
-        let file_flags = if fs.config().page_cache {
-            FopenFlags::empty()
-        } else {
-            FopenFlags::FOPEN_DIRECT_IO
-        };
-        Self { fs, rt, file_flags }
+        Self {
+            fs,
+            rt,
+            file_flags: FopenFlags::empty(),
+            inherited_mmap_with_direct_io: None,
+        }
     }
+
+    /// For a mounter that takes over a connection: `negotiated` says whether the first
+    /// mounter's INIT reply enabled MAP_SHARED on direct-I/O files.
+    pub fn taking_over(mut self, negotiated: bool) -> Self {
+        self.inherited_mmap_with_direct_io = Some(negotiated);
+        self
+    }
+}
+
+/// Does this FUSE_INIT reply (out header + fuse_init_out) enable
+/// FUSE_DIRECT_IO_ALLOW_MMAP? That bit lives in `flags2`, bytes 48..52.
+pub fn init_reply_allows_direct_io_mmap(reply: &[u8]) -> bool {
+    const FLAGS2: usize = 16 + 32;
+    let bit = (InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP.bits() >> 32) as u32;
+    reply
+        .get(FLAGS2..FLAGS2 + 4)
+        .map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]) & bit != 0)
+        .unwrap_or(false)
 }
 
 fn errno(e: &FsError) -> Errno {
@@ -94,9 +110,28 @@ impl Filesystem for FuseAdapter {
         // file is one upload, not a PUT of an empty object first.
         let _ = config.add_capabilities(InitFlags::FUSE_ATOMIC_O_TRUNC);
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
-        // Lets MAP_SHARED mmap work on direct-I/O files (Linux 6.6+; MAP_PRIVATE, which
-        // exec and the dynamic loader use, works on every kernel).
-        let _ = config.add_capabilities(InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP);
+        // Direct I/O: a read is copied from our reply straight into the reader's buffer and
+        // a write straight from the writer's, instead of through page-cache pages that the
+        // kernel must allocate for every byte and throws away at the next open anyway (no
+        // FOPEN_KEEP_CACHE: another client may have replaced the object). The prefetcher
+        // and the uploader do the batching that readahead and write-back would. Only where
+        // MAP_SHARED keeps working on such files (Linux 6.6+); elsewhere the page cache.
+        let mmap_ok = config
+            .add_capabilities(InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP)
+            .is_ok();
+        let mmap_ok = self.inherited_mmap_with_direct_io.unwrap_or(mmap_ok);
+        let direct = !self.fs.config().page_cache && mmap_ok;
+        self.file_flags = if direct {
+            FopenFlags::FOPEN_DIRECT_IO
+        } else {
+            FopenFlags::empty()
+        };
+        tracing::info!(
+            direct_io = direct,
+            page_cache_option = self.fs.config().page_cache,
+            kernel_allows_mmap_with_direct_io = mmap_ok,
+            "file data path"
+        );
         let _ = config.set_max_readahead(1024 * 1024);
         let _ = config.set_max_background(64);
         let _ = config.set_congestion_threshold(48);

@@ -3,8 +3,10 @@
 //! A read at the offset where the previous one ended (or inside the data already being
 //! fetched) counts as sequential: chunks ahead of it are requested concurrently, and the
 //! window of data kept in flight doubles each time a chunk is consumed, from
-//! `initial_window` up to `max_window`. Any other read is random and costs exactly one
-//! ranged GET of what was asked. Speculative chunks take their memory from a budget
+//! `initial_window` up to `max_window`. Any other read is random and costs one ranged GET
+//! of at least `MIN_RANDOM_GET`, kept until the next random GET: with direct I/O there is
+//! no page cache, so a reader that reads a footer or index in small pieces, or twice, is
+//! served from that block. Speculative chunks take their memory from a budget
 //! shared by all open files; a chunk the current read needs is fetched even when the
 //! budget is exhausted, so progress never waits on other files.
 
@@ -18,6 +20,10 @@ use tokio::task::JoinHandle;
 
 /// Budget accounting unit: permits are 64 KiB each.
 pub const BUDGET_UNIT: u64 = 64 * 1024;
+
+/// Smallest ranged GET for a random read: at S3 latencies 128 KiB costs hardly more than
+/// 4 KiB, and neighbouring small reads (headers, footers, index pages) then need no GET.
+pub const MIN_RANDOM_GET: u64 = 128 * 1024;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PrefetchConfig {
@@ -84,6 +90,8 @@ pub struct Prefetcher {
     next_fetch: u64,
     window: u64,
     last_end: Option<u64>,
+    /// The last random GET: (start offset, bytes).
+    random_block: Option<(u64, Bytes)>,
     /// GET requests issued, for tests and stats.
     pub requests: u64,
 }
@@ -106,6 +114,7 @@ impl Prefetcher {
             next_fetch: 0,
             window: cfg.initial_window,
             last_end: None,
+            random_block: None,
             requests: 0,
         }
     }
@@ -121,6 +130,14 @@ impl Prefetcher {
             return Ok(Bytes::new());
         }
         let end = (offset + len as u64).min(self.size);
+        if let Some((start, block)) = &self.random_block {
+            if *start <= offset && end <= start + block.len() as u64 {
+                let from = (offset - start) as usize;
+                let out = block.slice(from..from + (end - offset) as usize);
+                self.last_end = Some(end);
+                return Ok(out);
+            }
+        }
         let in_window = self
             .chunks
             .front()
@@ -139,7 +156,11 @@ impl Prefetcher {
                 self.last_end = Some(end);
             }
             self.requests += 1;
-            return Ok(self.client.get_range(&self.key, offset, end).await?);
+            let fetch_end = end.max(offset + MIN_RANDOM_GET).min(self.size);
+            let block = self.client.get_range(&self.key, offset, fetch_end).await?;
+            let out = block.slice(0..((end - offset) as usize).min(block.len()));
+            self.random_block = Some((offset, block));
+            return Ok(out);
         }
         if !in_window {
             self.reset(offset);
@@ -267,6 +288,29 @@ mod tests {
             let end = (off as usize + 1000).min(data.len());
             assert_eq!(&b[..], &data[off as usize..end]);
         }
+    }
+
+    #[tokio::test]
+    async fn small_random_reads_near_each_other_cost_one_get() {
+        let (mem, data, budget) = setup(1_000_000, 1000);
+        let mut p = Prefetcher::new(mem, "obj".into(), data.len() as u64, cfg(), budget);
+        // a footer read the way a Parquet or zip reader does: the tail, then pieces of it
+        let tail = data.len() as u64 - 100_000;
+        for (off, len) in [
+            (tail, 8u32),
+            (tail + 50_000, 4096),
+            (tail, 4096),
+            (tail + 99_990, 10),
+        ] {
+            let b = p.read(off, len).await.unwrap();
+            let end = (off as usize + len as usize).min(data.len());
+            assert_eq!(&b[..], &data[off as usize..end], "read at {off}");
+        }
+        assert_eq!(p.requests, 1);
+        // far away: another GET, exact bytes
+        let b = p.read(10_000, 100).await.unwrap();
+        assert_eq!(&b[..], &data[10_000..10_100]);
+        assert_eq!(p.requests, 2);
     }
 
     #[tokio::test]

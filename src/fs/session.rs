@@ -81,7 +81,7 @@ pub struct MountArgs {
     #[arg(long)]
     pub sync_delete: bool,
     /// Let the kernel cache file data while a file is open (default: direct I/O, which
-    /// copies once and keeps no page cache; see README "Semantics")
+    /// copies reads and writes once, on Linux 6.6+; see README "Semantics")
     #[arg(long)]
     pub page_cache: bool,
     /// Log every request at debug level
@@ -677,7 +677,16 @@ fn serve_descriptor(
     .map_err(|e| format!("socketpair: {e}"))?;
     nix::unistd::write(&ours, &init).map_err(|e| format!("replaying FUSE_INIT: {e}"))?;
 
-    let adapter = FuseAdapter::new(fs.clone(), rt.handle().clone());
+    let reply_path = dir.join(handoff::INIT_REPLY_FILE);
+    let mut adapter = FuseAdapter::new(fs.clone(), rt.handle().clone());
+    if recover {
+        // A mounter from before direct I/O saved no reply: its connection has no
+        // FUSE_DIRECT_IO_ALLOW_MMAP, so direct I/O would break MAP_SHARED there.
+        let negotiated = std::fs::read(&reply_path)
+            .map(|r| super::fuse::init_reply_allows_direct_io_mmap(&r))
+            .unwrap_or(false);
+        adapter = adapter.taking_over(negotiated);
+    }
     let mut fuse_cfg = fuser::Config::default();
     // The kernel enforces access (allow_other or only root, set by the node service).
     fuse_cfg.acl = if cfg.allow_root && !cfg.allow_other {
@@ -691,6 +700,10 @@ fn serve_descriptor(
     let mut reply = vec![0u8; 64 * 1024];
     let n = nix::unistd::read(&ours, &mut reply).map_err(|e| format!("FUSE_INIT reply: {e}"))?;
     if !recover {
+        let tmp = reply_path.with_extension("tmp");
+        std::fs::write(&tmp, &reply[..n])
+            .and_then(|_| std::fs::rename(&tmp, &reply_path))
+            .map_err(|e| format!("cannot save the FUSE_INIT reply: {e}"))?;
         nix::unistd::write(fuse_fd, &reply[..n])
             .map_err(|e| format!("answering FUSE_INIT: {e}"))?;
     }

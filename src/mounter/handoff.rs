@@ -30,6 +30,8 @@ use std::time::Duration;
 
 pub const CONTROL_SOCKET: &str = "control.sock";
 pub const INIT_FILE: &str = "init.bin";
+/// The first mounter's answer to it: what the connection negotiated.
+pub const INIT_REPLY_FILE: &str = "init-reply.bin";
 pub const INODE_LOG: &str = "inodes.log";
 
 /// FUSE_NOTIFY_RESEND (Linux 6.9+): the kernel puts every request a dead daemon had read
