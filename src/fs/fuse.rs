@@ -116,10 +116,12 @@ impl Filesystem for FuseAdapter {
         // FOPEN_KEEP_CACHE: another client may have replaced the object). The prefetcher
         // and the uploader do the batching that readahead and write-back would. Only where
         // MAP_SHARED keeps working on such files (Linux 6.6+); elsewhere the page cache.
-        let mmap_ok = config
+        let kernel_allows = config
             .add_capabilities(InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP)
             .is_ok();
-        let mmap_ok = self.inherited_mmap_with_direct_io.unwrap_or(mmap_ok);
+        // A replacement mounter's answer to the replayed INIT goes nowhere: what counts is
+        // what the first mounter negotiated.
+        let mmap_ok = self.inherited_mmap_with_direct_io.unwrap_or(kernel_allows);
         let direct = !self.fs.config().page_cache && mmap_ok;
         self.file_flags = if direct {
             FopenFlags::FOPEN_DIRECT_IO
@@ -129,7 +131,7 @@ impl Filesystem for FuseAdapter {
         tracing::info!(
             direct_io = direct,
             page_cache_option = self.fs.config().page_cache,
-            kernel_allows_mmap_with_direct_io = mmap_ok,
+            mmap_with_direct_io = mmap_ok,
             "file data path"
         );
         let _ = config.set_max_readahead(1024 * 1024);

@@ -185,6 +185,14 @@ pub fn fs_config(cfg: &MountConfig) -> FsConfig {
     }
 }
 
+/// Writes `data` to `path` so that a replacement mounter reads either all of it or the
+/// previous file, never a torn one.
+fn save_whole(path: &Path, data: &[u8]) -> std::io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, data)?;
+    std::fs::rename(&tmp, path)
+}
+
 /// Is `path` a mount point right now (per /proc/self/mountinfo)?
 pub fn is_mounted(path: &Path) -> bool {
     let target = path.to_string_lossy();
@@ -662,10 +670,7 @@ fn serve_descriptor(
         let n =
             nix::unistd::read(fuse_fd, &mut buf).map_err(|e| format!("reading FUSE_INIT: {e}"))?;
         buf.truncate(n);
-        let tmp = init_path.with_extension("tmp");
-        std::fs::write(&tmp, &buf)
-            .and_then(|_| std::fs::rename(&tmp, &init_path))
-            .map_err(|e| format!("cannot save FUSE_INIT: {e}"))?;
+        save_whole(&init_path, &buf).map_err(|e| format!("cannot save FUSE_INIT: {e}"))?;
         buf
     };
     let (ours, theirs) = socketpair(
@@ -700,9 +705,7 @@ fn serve_descriptor(
     let mut reply = vec![0u8; 64 * 1024];
     let n = nix::unistd::read(&ours, &mut reply).map_err(|e| format!("FUSE_INIT reply: {e}"))?;
     if !recover {
-        let tmp = reply_path.with_extension("tmp");
-        std::fs::write(&tmp, &reply[..n])
-            .and_then(|_| std::fs::rename(&tmp, &reply_path))
+        save_whole(&reply_path, &reply[..n])
             .map_err(|e| format!("cannot save the FUSE_INIT reply: {e}"))?;
         nix::unistd::write(fuse_fd, &reply[..n])
             .map_err(|e| format!("answering FUSE_INIT: {e}"))?;
