@@ -14,8 +14,9 @@ use std::time::{Duration, Instant};
 
 const DELETE_DELAY: Duration = Duration::from_millis(1500);
 
-/// A mount with `files` written through it (their directories created; so they are in S3), whose later DELETEs each
-/// take `DELETE_DELAY` longer; the first `rm` (synchronous, before the delay) has been made.
+/// A mount with `files` written through it (parent directories first), so they are in S3,
+/// whose later DELETEs each take `DELETE_DELAY` longer; the first `rm` (synchronous, before
+/// the delay) has been made.
 fn mount_with_slow_deletes(
     hint: &str,
     extra: &[&str],
