@@ -184,6 +184,16 @@ impl ObjectClient for DeferredDeletes {
         self.inner.get_range(key, start, end).await
     }
 
+    async fn get_range_if_match(
+        &self,
+        key: &str,
+        etag: &str,
+        start: u64,
+        end: u64,
+    ) -> S3Result<Bytes> {
+        self.inner.get_range_if_match(key, etag, start, end).await
+    }
+
     async fn put_object(&self, key: &str, body: Bytes) -> S3Result<ObjectMeta> {
         self.settle(key).await;
         self.inner.put_object(key, body).await
@@ -218,6 +228,24 @@ impl ObjectClient for DeferredDeletes {
 
     async fn abort_multipart(&self, key: &str, upload_id: &str) -> S3Result<()> {
         self.inner.abort_multipart(key, upload_id).await
+    }
+
+    async fn upload_part_copy(
+        &self,
+        key: &str,
+        upload_id: &str,
+        part_number: i32,
+        src: &str,
+        src_etag: Option<&str>,
+        start: u64,
+        end: u64,
+    ) -> S3Result<CompletedPart> {
+        if lock(&self.ledger).pending.contains_key(src) {
+            return Err(S3Error::NotFound);
+        }
+        self.inner
+            .upload_part_copy(key, upload_id, part_number, src, src_etag, start, end)
+            .await
     }
 
     async fn copy_object(&self, src: &str, dst: &str, size: u64) -> S3Result<()> {

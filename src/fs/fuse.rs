@@ -85,16 +85,6 @@ fn utf8(name: &OsStr) -> Result<&str, FsError> {
     name.to_str().ok_or(FsError::InvalidName)
 }
 
-/// The thread group (process) of the thread that sent a request; FUSE reports thread ids.
-fn process_of(req: &Request) -> Option<u32> {
-    let tid = req.pid();
-    let status = std::fs::read_to_string(format!("/proc/{tid}/status")).ok()?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("Tgid:"))
-        .and_then(|v| v.trim().parse().ok())
-}
-
 fn open_mode(flags: i32) -> OpenMode {
     let acc = flags & libc::O_ACCMODE;
     OpenMode {
@@ -326,13 +316,12 @@ impl Filesystem for FuseAdapter {
         });
     }
 
-    fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let fs = self.fs.clone();
         let file_flags = self.file_flags;
         let mode = open_mode(flags.0);
-        let opener = if mode.write { process_of(req) } else { None };
         self.rt.spawn(async move {
-            match fs.open(ino.0, mode, opener).await {
+            match fs.open(ino.0, mode).await {
                 Ok(fh) => reply.opened(FileHandle(fh), file_flags),
                 Err(e) => reply.error(errno(&e)),
             }
@@ -341,7 +330,7 @@ impl Filesystem for FuseAdapter {
 
     fn create(
         &self,
-        req: &Request,
+        _req: &Request,
         parent: INodeNo,
         name: &OsStr,
         _mode: u32,
@@ -351,11 +340,10 @@ impl Filesystem for FuseAdapter {
     ) {
         let fs = self.fs.clone();
         let name = name.to_owned();
-        let opener = process_of(req);
         let file_flags = self.file_flags;
         self.rt.spawn(async move {
             let res = match utf8(&name) {
-                Ok(n) => fs.create(parent.0, n, open_mode(flags), opener).await,
+                Ok(n) => fs.create(parent.0, n, open_mode(flags)).await,
                 Err(e) => Err(e),
             };
             match res {
@@ -400,13 +388,14 @@ impl Filesystem for FuseAdapter {
         data: &[u8],
         _write_flags: WriteFlags,
         _flags: OpenFlags,
-        _lock_owner: Option<LockOwner>,
+        lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
         let fs = self.fs.clone();
         let data = data.to_vec();
+        let owner = lock_owner.map(|o| o.0);
         self.rt.spawn(async move {
-            match fs.write(fh.0, offset, &data).await {
+            match fs.write(fh.0, offset, &data, owner).await {
                 Ok(n) => reply.written(n as u32),
                 Err(e) => reply.error(errno(&e)),
             }
@@ -415,16 +404,15 @@ impl Filesystem for FuseAdapter {
 
     fn flush(
         &self,
-        req: &Request,
+        _req: &Request,
         _ino: INodeNo,
         fh: FileHandle,
-        _lock_owner: LockOwner,
+        lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
         let fs = self.fs.clone();
-        let caller = process_of(req);
         self.rt.spawn(async move {
-            match fs.flush(fh.0, caller).await {
+            match fs.flush(fh.0, lock_owner.0).await {
                 Ok(()) => reply.ok(),
                 Err(e) => reply.error(errno(&e)),
             }

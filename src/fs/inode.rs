@@ -1,7 +1,8 @@
 //! The inode table: stable inode numbers for the names the kernel knows about.
 //!
-//! Invariants: the root (ino 1) is never removed; `by_name` maps `(parent, name)` to the
-//! inode currently bound to that name; an inode is removed once the kernel has forgotten
+//! Invariants: the root (ino 1) is never removed; `children` maps each directory to its
+//! names and the inodes currently bound to them (so listing a directory's known children
+//! costs what it has, not what the table has); an inode is removed once the kernel has forgotten
 //! it (lookup count 0) and no handle has it open. Entries that only a listing created
 //! (lookup count 0) are evicted in bulk when the table grows past its cap, so huge
 //! directories do not pin memory.
@@ -58,7 +59,8 @@ impl Inode {
 
 pub struct InodeTable {
     by_ino: HashMap<u64, Inode>,
-    by_name: HashMap<(u64, String), u64>,
+    /// Directory inode → name → the inode bound to that name.
+    children: HashMap<u64, HashMap<String, u64>>,
     next_ino: u64,
     evict_above: usize,
     /// Bumped whenever a name is dropped from the table without being deleted in S3, so
@@ -93,7 +95,7 @@ impl InodeTable {
         };
         Self {
             by_ino: HashMap::from([(ROOT_INO, root)]),
-            by_name: HashMap::new(),
+            children: HashMap::new(),
             next_ino: ROOT_INO + 1,
             evict_above,
             forgotten_names: 0,
@@ -132,7 +134,7 @@ impl InodeTable {
                     list_ahead_at: None,
                 },
             );
-            self.by_name.insert((b.parent, b.name().to_string()), b.ino);
+            self.bind(b.parent, b.name(), b.ino);
             self.logged.insert(b.ino);
             self.recovered.insert(b.ino);
         }
@@ -192,16 +194,38 @@ impl InodeTable {
     }
 
     pub fn child(&self, parent: u64, name: &str) -> Option<&Inode> {
-        self.by_name
-            .get(&(parent, name.to_string()))
-            .and_then(|i| self.by_ino.get(i))
+        self.bound(parent, name).and_then(|i| self.by_ino.get(&i))
     }
 
     pub fn children_of(&self, parent: u64) -> impl Iterator<Item = &Inode> {
-        self.by_ino
-            .values()
-            .filter(move |i| i.parent == parent && i.ino != ROOT_INO)
-            .filter(|i| self.by_name.get(&(i.parent, i.name.clone())) == Some(&i.ino))
+        self.children
+            .get(&parent)
+            .into_iter()
+            .flat_map(|names| names.values())
+            .filter_map(|ino| self.by_ino.get(ino))
+    }
+
+    /// The inode bound to `name` in `parent`.
+    fn bound(&self, parent: u64, name: &str) -> Option<u64> {
+        self.children.get(&parent)?.get(name).copied()
+    }
+
+    /// Binds `name` in `parent` to `ino`; returns the inode bound to it before.
+    fn bind(&mut self, parent: u64, name: &str, ino: u64) -> Option<u64> {
+        self.children
+            .entry(parent)
+            .or_default()
+            .insert(name.to_string(), ino)
+    }
+
+    /// Removes the binding of `name` in `parent`, whatever it is bound to.
+    fn unbind_name(&mut self, parent: u64, name: &str) -> Option<u64> {
+        let names = self.children.get_mut(&parent)?;
+        let ino = names.remove(name);
+        if names.is_empty() {
+            self.children.remove(&parent);
+        }
+        ino
     }
 
     /// Binds `name` under `parent` to an inode of `kind` with fresh metadata, reusing the
@@ -216,7 +240,7 @@ impl InodeTable {
         etag: Option<String>,
     ) -> u64 {
         let now = Instant::now();
-        if let Some(existing) = self.by_name.get(&(parent, name.to_string())).copied() {
+        if let Some(existing) = self.bound(parent, name) {
             if let Some(inode) = self.by_ino.get_mut(&existing) {
                 if inode.kind == kind {
                     // A writer's size and a local-only file (an empty new one whose PUT is
@@ -258,7 +282,7 @@ impl InodeTable {
                 list_ahead_at: None,
             },
         );
-        self.by_name.insert((parent, name.to_string()), ino);
+        self.bind(parent, name, ino);
         if self.by_ino.len() > self.evict_above {
             self.evict_idle();
         }
@@ -267,7 +291,7 @@ impl InodeTable {
 
     /// Unbinds `name`; the inode itself lives on until the kernel forgets it.
     pub fn unbind(&mut self, parent: u64, name: &str) -> Option<u64> {
-        let ino = self.by_name.remove(&(parent, name.to_string()))?;
+        let ino = self.unbind_name(parent, name)?;
         self.log_gone(ino);
         self.maybe_remove(ino);
         Some(ino)
@@ -280,10 +304,10 @@ impl InodeTable {
             let i = self.by_ino.get(&ino)?;
             (i.parent, i.name.clone())
         };
-        if self.by_name.get(&(old_parent, old_name.clone())) == Some(&ino) {
-            self.by_name.remove(&(old_parent, old_name));
+        if self.bound(old_parent, &old_name) == Some(ino) {
+            self.unbind_name(old_parent, &old_name);
         }
-        let replaced = self.by_name.insert((new_parent, new_name.to_string()), ino);
+        let replaced = self.bind(new_parent, new_name, ino);
         let new_key = self
             .by_ino
             .get(&new_parent)
@@ -331,13 +355,13 @@ impl InodeTable {
         if ino == ROOT_INO || i.lookups > 0 || i.open_handles > 0 || i.writer.is_some() {
             return;
         }
-        let bound = self.by_name.get(&(i.parent, i.name.clone())) == Some(&ino);
+        let bound = self.bound(i.parent, &i.name) == Some(ino);
         if bound && i.local_only {
             return;
         }
         if bound {
-            let parent = i.parent;
-            self.by_name.remove(&(parent, i.name.clone()));
+            let (parent, name) = (i.parent, i.name.clone());
+            self.unbind_name(parent, &name);
             self.forget_completeness(parent);
         }
         self.by_ino.remove(&ino);
@@ -368,8 +392,8 @@ impl InodeTable {
             .collect();
         for ino in idle {
             if let Some(i) = self.by_ino.remove(&ino) {
-                if self.by_name.get(&(i.parent, i.name.clone())) == Some(&ino) {
-                    self.by_name.remove(&(i.parent, i.name));
+                if self.bound(i.parent, &i.name) == Some(ino) {
+                    self.unbind_name(i.parent, &i.name);
                     self.forget_completeness(i.parent);
                 }
             }

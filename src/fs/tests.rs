@@ -84,21 +84,21 @@ async fn large_directory_lists_every_key_across_pages() {
 async fn write_read_rename_unlink_round_trip() {
     let mem = Arc::new(MemClient::new());
     let fs = fs_with(mem.clone(), "");
-    let (attr, fh) = fs.create(ROOT, "f", W, None).await.unwrap();
-    fs.write(fh, 0, b"hello ").await.unwrap();
-    fs.write(fh, 6, b"world, multipart").await.unwrap();
+    let (attr, fh) = fs.create(ROOT, "f", W).await.unwrap();
+    fs.write(fh, 0, b"hello ", Some(1)).await.unwrap();
+    fs.write(fh, 6, b"world, multipart", Some(1)).await.unwrap();
     assert!(matches!(
-        fs.write(fh, 3, b"x").await,
+        fs.write(fh, 3, b"x", Some(1)).await,
         Err(FsError::Unsupported(_))
     ));
     // Visible in listings before it is uploaded.
     assert!(names(&fs, ROOT).await.contains(&"f".to_string()));
-    fs.flush(fh, None).await.unwrap();
+    fs.flush(fh, 1).await.unwrap();
     fs.release(fh).await.unwrap();
     assert_eq!(mem.get("f").unwrap().as_ref(), b"hello world, multipart");
     assert_eq!(mem.open_uploads(), 0);
 
-    let fh = fs.open(attr.ino, R, None).await.unwrap();
+    let fh = fs.open(attr.ino, R).await.unwrap();
     assert_eq!(fs.read(fh, 6, 5).await.unwrap().as_ref(), b"world");
     fs.release(fh).await.unwrap();
 
@@ -120,7 +120,7 @@ async fn write_read_rename_unlink_round_trip() {
 }
 
 #[tokio::test]
-async fn existing_objects_refuse_modification_but_allow_overwrite() {
+async fn existing_objects_take_appends_but_refuse_writes_elsewhere() {
     let mem = Arc::new(MemClient::new());
     mem.insert("obj", "old contents");
     let fs = fs_with(mem.clone(), "");
@@ -130,21 +130,31 @@ async fn existing_objects_refuse_modification_but_allow_overwrite() {
         truncate: false,
         append: false,
     };
-    let fh = fs.open(a.ino, rw, None).await.unwrap();
+    let fh = fs.open(a.ino, rw).await.unwrap();
     assert!(matches!(
-        fs.write(fh, 0, b"x").await,
+        fs.write(fh, 0, b"x", Some(1)).await,
         Err(FsError::Unsupported(_))
     ));
     assert!(matches!(
-        fs.write(fh, 12, b"x").await,
+        fs.write(fh, 13, b"x", Some(1)).await,
         Err(FsError::Unsupported(_))
     ));
-    fs.release(fh).await.unwrap();
     assert_eq!(mem.get("obj").unwrap().as_ref(), b"old contents");
+    fs.write(fh, 12, b", appended", Some(1)).await.unwrap();
+    fs.flush(fh, 1).await.unwrap();
+    fs.release(fh).await.unwrap();
+    assert_eq!(mem.get("obj").unwrap().as_ref(), b"old contents, appended");
 
-    let fh = fs.open(a.ino, W, None).await.unwrap();
-    fs.write(fh, 0, b"new").await.unwrap();
-    fs.flush(fh, None).await.unwrap();
+    // Someone else replaces the object: an append to the version we knew must not mix.
+    let fh = fs.open(a.ino, rw).await.unwrap();
+    mem.insert("obj", "theirs, 22 bytes long!");
+    assert!(fs.write(fh, 22, b"mine", Some(1)).await.is_err());
+    fs.release(fh).await.unwrap();
+    assert_eq!(mem.get("obj").unwrap().as_ref(), b"theirs, 22 bytes long!");
+
+    let fh = fs.open(a.ino, W).await.unwrap();
+    fs.write(fh, 0, b"new", Some(1)).await.unwrap();
+    fs.flush(fh, 1).await.unwrap();
     fs.release(fh).await.unwrap();
     assert_eq!(mem.get("obj").unwrap().as_ref(), b"new");
 
@@ -157,11 +167,74 @@ async fn existing_objects_refuse_modification_but_allow_overwrite() {
 }
 
 #[tokio::test]
+async fn closes_commit_what_their_owner_wrote_and_later_writes_continue() {
+    let mem = Arc::new(MemClient::new());
+    let fs = fs_with(mem.clone(), "");
+    let (shell, child, idle) = (100, 200, 300);
+    let (_, fh) = fs.create(ROOT, "f", W).await.unwrap();
+    fs.write(fh, 0, b"abc", Some(shell)).await.unwrap();
+    // A forked child that never wrote closes its inherited copy: no commit.
+    fs.flush(fh, idle).await.unwrap();
+    assert!(mem.get("f").is_none());
+    // A child that wrote commits at its close (its output is durable then) ...
+    fs.write(fh, 3, b"def", Some(child)).await.unwrap();
+    fs.flush(fh, child).await.unwrap();
+    assert_eq!(mem.get("f").unwrap().as_ref(), b"abcdef");
+    // ... and the shell's next write continues the object, in any pid namespace.
+    fs.write(fh, 6, b"ghi", Some(shell)).await.unwrap();
+    fs.fsync(fh).await.unwrap();
+    assert_eq!(mem.get("f").unwrap().as_ref(), b"abcdefghi");
+    fs.write(fh, 9, b"jkl", None).await.unwrap();
+    fs.flush(fh, shell).await.unwrap();
+    assert_eq!(mem.get("f").unwrap().as_ref(), b"abcdefghijkl");
+    // The last close has nothing left to do.
+    fs.release(fh).await.unwrap();
+    assert_eq!(mem.get("f").unwrap().as_ref(), b"abcdefghijkl");
+    assert_eq!(mem.open_uploads(), 0);
+}
+
+/// Handles a dead predecessor opened: every call answers at once. A self-deadlock on a
+/// std mutex would block the runtime's thread, so the calls run on a thread of their own.
+#[test]
+fn handles_of_a_dead_predecessor_answer_at_once() {
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let fs = fs_with(Arc::new(MemClient::new()), "");
+            let unknown = 4242;
+            assert!(matches!(
+                fs.flush(unknown, 1).await,
+                Err(FsError::BadHandle)
+            ));
+            assert!(matches!(fs.fsync(unknown).await, Err(FsError::BadHandle)));
+            assert!(matches!(
+                fs.write(unknown, 0, b"x", Some(1)).await,
+                Err(FsError::BadHandle)
+            ));
+            assert!(matches!(
+                fs.read(unknown, 0, 1).await,
+                Err(FsError::BadHandle)
+            ));
+            fs.release(unknown).await.unwrap();
+            fs.releasedir(unknown);
+        });
+        done.send(()).unwrap();
+    });
+    finished
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .expect("a call on an unknown handle hung (or panicked)");
+}
+
+#[tokio::test]
 async fn unlinking_a_file_being_written_discards_it() {
     let mem = Arc::new(MemClient::new());
     let fs = fs_with(mem.clone(), "");
-    let (_, fh) = fs.create(ROOT, "tmp", W, None).await.unwrap();
-    fs.write(fh, 0, b"0123456789abc").await.unwrap();
+    let (_, fh) = fs.create(ROOT, "tmp", W).await.unwrap();
+    fs.write(fh, 0, b"0123456789abc", Some(1)).await.unwrap();
     fs.unlink(ROOT, "tmp").await.unwrap();
     fs.release(fh).await.unwrap();
     assert!(mem.get("tmp").is_none());
@@ -180,7 +253,7 @@ async fn read_only_refuses_changes() {
         },
     );
     assert!(matches!(
-        fs.create(ROOT, "b", W, None).await,
+        fs.create(ROOT, "b", W).await,
         Err(FsError::ReadOnly)
     ));
     assert!(matches!(fs.mkdir(ROOT, "d").await, Err(FsError::ReadOnly)));
@@ -191,28 +264,13 @@ async fn read_only_refuses_changes() {
 async fn names_s3_cannot_hold_are_refused() {
     let fs = fs_with(Arc::new(MemClient::new()), "");
     assert!(matches!(
-        fs.create(ROOT, &"x".repeat(300), W, None).await,
+        fs.create(ROOT, &"x".repeat(300), W).await,
         Err(FsError::NameTooLong)
     ));
     assert!(matches!(
         fs.mkdir(ROOT, "..").await,
         Err(FsError::InvalidName)
     ));
-}
-
-#[tokio::test]
-async fn only_the_opening_process_commits_on_close() {
-    let mem = Arc::new(MemClient::new());
-    let fs = fs_with(mem.clone(), "");
-    let (_, fh) = fs.create(ROOT, "f", W, Some(100)).await.unwrap();
-    fs.write(fh, 0, b"abc").await.unwrap();
-    // A forked child closing its inherited copy must not end the upload.
-    fs.flush(fh, Some(200)).await.unwrap();
-    assert!(mem.get("f").is_none());
-    fs.write(fh, 3, b"def").await.unwrap();
-    fs.flush(fh, Some(100)).await.unwrap();
-    assert_eq!(mem.get("f").unwrap().as_ref(), b"abcdef");
-    fs.release(fh).await.unwrap();
 }
 
 #[tokio::test]
@@ -230,7 +288,7 @@ async fn lookups_in_a_fully_known_directory_need_no_request() {
     ));
     // A new directory is known to be empty, and our own creates keep it complete.
     let e = fs.mkdir(ROOT, "e").await.unwrap();
-    let (_, fh) = fs.create(e.ino, "new", W, None).await.unwrap();
+    let (_, fh) = fs.create(e.ino, "new", W).await.unwrap();
     fs.release(fh).await.unwrap();
     assert!(fs.lookup(e.ino, "new").await.is_ok());
     assert!(matches!(
@@ -266,4 +324,38 @@ async fn a_lookup_miss_lists_the_directory_for_its_siblings() {
         before,
         "siblings should come from the listing"
     );
+}
+
+/// The kernel holds an inode a dead mounter handed out; its replacement restored it from
+/// the inode log without knowing the kernel's count. Renaming it must keep it: rename's
+/// own lookups must not go through the kernel's reference counting.
+#[tokio::test]
+async fn renaming_an_inode_a_replacement_restored_keeps_it() {
+    use inode_log::{Binding, InodeLog, Loaded};
+    let mem = Arc::new(MemClient::new());
+    mem.insert("a", "content");
+    let fs = fs_with(mem.clone(), "");
+    let dir = std::env::temp_dir().join(format!("s3csi-rename-restored-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ino = 7;
+    let restored = Loaded {
+        bindings: vec![Binding {
+            ino,
+            parent: ROOT,
+            kind: Kind::File,
+            key: "a".into(),
+        }],
+        max_ino: ino,
+    };
+    let log = InodeLog::create(&dir.join("inodes.log"), "", &[]).unwrap();
+    fs.enable_recovery(restored, log, 1);
+    fs.rename(ROOT, "a", ROOT, "b", false).await.unwrap();
+    let attr = fs
+        .getattr(ino)
+        .await
+        .expect("the renamed inode is still known");
+    assert_eq!(attr.size, 7);
+    assert_eq!(fs.lookup(ROOT, "b").await.unwrap().ino, ino);
+    assert_eq!(mem.get("b").unwrap().as_ref(), b"content");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -45,6 +45,11 @@ impl UploadBudget {
 }
 
 const MAX_PART: u64 = 5 * 1024 * 1024 * 1024;
+/// S3's smallest part but the last: an object continued from a shorter one is read back
+/// and sent again, from a longer one copied on the server.
+pub const MIN_PART: u64 = 5 * 1024 * 1024;
+/// Largest range one UploadPartCopy copies when an upload continues an object.
+const COPY_PART: u64 = 512 * 1024 * 1024;
 
 pub struct Upload {
     client: Arc<dyn ObjectClient>,
@@ -110,6 +115,61 @@ impl Upload {
         }
         self.buf.clear();
         self.written = 0;
+        Ok(())
+    }
+
+    /// Makes a new upload begin with bytes `0..size` of the version `etag` of the object
+    /// at its key, so that writes go on at `size`: read back below `MIN_PART`, else
+    /// copied on the server in parts of at most `COPY_PART` (each at least `MIN_PART`, as
+    /// S3 requires of every part but the last). `PreconditionFailed` if the key holds
+    /// another version by now; nothing is left behind then.
+    pub async fn continue_from(&mut self, size: u64, etag: &str) -> FsResult<()> {
+        debug_assert!(self.written == 0 && self.upload_id.is_none());
+        if size == 0 {
+            return Ok(());
+        }
+        if size < MIN_PART {
+            let body = self
+                .client
+                .get_range_if_match(&self.key, etag, 0, size)
+                .await?;
+            if body.len() as u64 != size {
+                return Err(FsError::S3(S3Error::PreconditionFailed));
+            }
+            self.buf.extend_from_slice(&body);
+            self.written = size;
+            return Ok(());
+        }
+        let id = self.client.create_multipart(&self.key).await?;
+        self.upload_id = Some(id.clone());
+        let chunk = size.div_ceil(size.div_ceil(COPY_PART));
+        let mut start = 0;
+        while start < size {
+            let end = (start + chunk).min(size);
+            let copied = self
+                .client
+                .upload_part_copy(
+                    &self.key,
+                    &id,
+                    self.next_part,
+                    &self.key,
+                    Some(etag),
+                    start,
+                    end,
+                )
+                .await;
+            match copied {
+                Ok(part) => self.parts.push(part),
+                Err(e) => {
+                    self.failed = Some(e.clone());
+                    self.abort().await;
+                    return Err(FsError::S3(e));
+                }
+            }
+            self.next_part += 1;
+            start = end;
+        }
+        self.written = size;
         Ok(())
     }
 
@@ -221,6 +281,8 @@ mod tests {
     use super::*;
     use crate::s3::mem::MemClient;
 
+    const MIB: u64 = 1024 * 1024;
+
     #[test]
     fn part_sizes_cover_five_tib_in_ten_thousand_parts() {
         let base = 8 * 1024 * 1024;
@@ -246,6 +308,75 @@ mod tests {
         assert_eq!(meta.size, 23);
         assert_eq!(mem.get("k").unwrap().as_ref(), &data[..]);
         assert_eq!(mem.open_uploads(), 0);
+    }
+
+    #[tokio::test]
+    async fn continues_a_short_object_by_reading_it_back() {
+        let mem = Arc::new(MemClient::new());
+        mem.insert("k", &b"hello "[..]);
+        let etag = mem.head_object("k").await.unwrap().etag.unwrap();
+        let mut up = Upload::new(
+            mem.clone(),
+            "k".into(),
+            5 * MIB,
+            2,
+            UploadBudget::new(1 << 20),
+        );
+        up.continue_from(6, &etag).await.unwrap();
+        up.write(6, b"world").await.unwrap();
+        up.finish().await.unwrap();
+        assert_eq!(mem.get("k").unwrap().as_ref(), b"hello world");
+    }
+
+    #[tokio::test]
+    async fn continues_a_long_object_by_copying_it_on_the_server() {
+        let mem = Arc::new(MemClient::new());
+        let first: Vec<u8> = (0..6 * MIB as u32).map(|i| (i % 253) as u8).collect();
+        mem.insert("k", first.clone());
+        let etag = mem.head_object("k").await.unwrap().etag.unwrap();
+        let mut up = Upload::new(
+            mem.clone(),
+            "k".into(),
+            5 * MIB,
+            2,
+            UploadBudget::new(64 * MIB),
+        );
+        up.continue_from(first.len() as u64, &etag).await.unwrap();
+        assert!(!up.can_truncate(), "the copy is a multipart upload already");
+        up.write(first.len() as u64, b"tail").await.unwrap();
+        up.finish().await.unwrap();
+        let mut want = first;
+        want.extend_from_slice(b"tail");
+        assert_eq!(mem.get("k").unwrap().as_ref(), &want[..]);
+        assert_eq!(mem.open_uploads(), 0);
+    }
+
+    #[tokio::test]
+    async fn never_continues_a_version_another_client_replaced() {
+        let mem = Arc::new(MemClient::new());
+        for (size, body) in [
+            (3usize, b"abc".to_vec()),
+            (6 * MIB as usize, vec![7u8; 6 * MIB as usize]),
+        ] {
+            mem.insert("k", body.clone());
+            let etag = mem.head_object("k").await.unwrap().etag.unwrap();
+            let theirs = vec![9u8; size];
+            mem.insert("k", theirs.clone());
+            let mut up = Upload::new(
+                mem.clone(),
+                "k".into(),
+                5 * MIB,
+                2,
+                UploadBudget::new(64 * MIB),
+            );
+            let res = up.continue_from(size as u64, &etag).await;
+            assert!(
+                matches!(res, Err(FsError::S3(S3Error::PreconditionFailed))),
+                "{size}: {res:?}"
+            );
+            assert_eq!(mem.get("k").unwrap().as_ref(), &theirs[..], "theirs kept");
+            assert_eq!(mem.open_uploads(), 0, "no upload left behind");
+        }
     }
 
     #[tokio::test]

@@ -37,6 +37,7 @@
 pub mod handoff;
 pub mod mountinfo;
 pub mod pod;
+pub mod pod_status;
 
 use async_trait::async_trait;
 use std::collections::HashMap;
@@ -350,6 +351,15 @@ fn credentials_of(pid: u32) -> Vec<(&'static str, String)> {
         .collect()
 }
 
+/// `text` without any of the `scrub` values (credentials) in it.
+fn scrub_text(text: &str, scrub: &[String]) -> String {
+    let mut text = text.to_string();
+    for s in scrub.iter().filter(|s| s.len() >= 4) {
+        text = text.replace(s.as_str(), "<redacted>");
+    }
+    text
+}
+
 /// Runs blocking socket work off the async workers.
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
     tokio::task::spawn_blocking(f)
@@ -639,10 +649,7 @@ impl ProcessMounter {
         if let Some(rest) = line.strip_prefix("s3csi: ") {
             line = rest.to_string();
         }
-        for s in scrub.iter().filter(|s| s.len() >= 4) {
-            line = line.replace(s.as_str(), "<redacted>");
-        }
-        line
+        scrub_text(&line, scrub)
     }
 
     async fn wait_gone(&self, target: &Path, pid: Option<u32>, deadline: Instant) -> bool {
@@ -777,6 +784,10 @@ impl ProcessMounter {
     }
 
     /// Waits until the child listens on its control socket (it checked the bucket first).
+    /// In pod mode, also reads the Pod's status and Events every
+    /// [`pod_status::INSPECT_EVERY`] meanwhile: a Pod that will not start fails the wait
+    /// with its reason, at once or after [`pod_status::STUCK_GRACE`], and the timeout says
+    /// what was seen last.
     async fn wait_listening(
         &self,
         child: &Child,
@@ -784,6 +795,11 @@ impl ProcessMounter {
         deadline: Instant,
         scrub: &[String],
     ) -> Result<(), MountError> {
+        let mut watch = child
+            .pod
+            .as_deref()
+            .map(|name| pod_status::StartWatch::new(name, scrub));
+        let mut next_look = Instant::now() + pod_status::INSPECT_EVERY;
         loop {
             let d = dir.to_path_buf();
             let pong = blocking(move || -> std::io::Result<String> {
@@ -801,24 +817,98 @@ impl ProcessMounter {
                 return Ok(());
             }
             if child.exited.lock().unwrap().is_some() {
-                let message = self.last_line(&child.log, child.offset, scrub);
-                return Err(MountError {
-                    kind: classify(&message),
-                    message,
-                });
+                return Err(self.exit_error(child, dir, watch.as_mut(), scrub).await);
+            }
+            if let (Some(watch), Some(pods)) = (watch.as_mut(), &self.pods) {
+                if Instant::now() >= next_look {
+                    match pods.inspect(watch.pod()).await {
+                        Ok(state) => {
+                            if let Err(e) = watch.observe(state, Instant::now()) {
+                                // A mounter that ran and gave up said why, better than
+                                // its Pod's exit code does.
+                                return Err(match pod::last_error(dir) {
+                                    Some(last) => {
+                                        let message = scrub_text(&last, scrub);
+                                        MountError {
+                                            kind: classify(&message),
+                                            message,
+                                        }
+                                    }
+                                    None => e,
+                                });
+                            }
+                        }
+                        Err(e) => tracing::debug!(pod = watch.pod(), error = %e,
+                            "cannot read the mounter pod's status"),
+                    }
+                    next_look = Instant::now() + pod_status::INSPECT_EVERY;
+                }
             }
             if Instant::now() >= deadline {
                 self.kill_child(child.pid, child.pod.as_deref()).await;
-                let last = self.last_line(&child.log, child.offset, scrub);
+                let message = match (&watch, pod::last_error(dir)) {
+                    (Some(w), None) => {
+                        let last = w.last().map_or_else(
+                            || "no reason in its status or events".to_string(),
+                            |r| r.to_string(),
+                        );
+                        format!(
+                            "the mounter pod {} was not ready within {:?}; last seen: {last}",
+                            w.pod(),
+                            self.timeouts.mount,
+                        )
+                    }
+                    _ => format!(
+                        "the mounter was not ready within {:?}; last mounter message: {}",
+                        self.timeouts.mount,
+                        self.last_line(&child.log, child.offset, scrub)
+                    ),
+                };
                 return Err(MountError {
                     kind: FailureKind::Timeout,
-                    message: format!(
-                        "the mounter was not ready within {:?}; last mounter message: {last}",
-                        self.timeouts.mount
-                    ),
+                    message,
                 });
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Why a child that stopped before it listened did so: its last words; for a Pod that
+    /// left none (killed, OOM, its container never ran), what its status says.
+    async fn exit_error(
+        &self,
+        child: &Child,
+        dir: &Path,
+        watch: Option<&mut pod_status::StartWatch>,
+        scrub: &[String],
+    ) -> MountError {
+        if let (Some(watch), Some(pods), None) = (watch, &self.pods, pod::last_error(dir)) {
+            // The API server may lag kubelet a little behind the socket.
+            let until = Instant::now() + Duration::from_secs(3);
+            loop {
+                if let Ok(state) = pods.inspect(watch.pod()).await {
+                    if let Err(e) = watch.observe(state, Instant::now()) {
+                        return e;
+                    }
+                }
+                if Instant::now() >= until {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            return MountError::other(format!(
+                "the mounter pod {} stopped without a message{}",
+                watch.pod(),
+                watch
+                    .last()
+                    .map(|r| format!("; last seen: {r}"))
+                    .unwrap_or_default()
+            ));
+        }
+        let message = self.last_line(&child.log, child.offset, scrub);
+        MountError {
+            kind: classify(&message),
+            message,
         }
     }
 

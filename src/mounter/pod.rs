@@ -23,15 +23,20 @@
 //! A mounter Pod is considered gone once its control socket refuses connections (its
 //! process exited; the node service removes a dead mounter's socket before starting the
 //! next one), or it left `last-error` in the handoff directory.
-//! No API polling is needed for that: the socket is on this node.
+//! No API polling is needed for that: the socket is on this node. Only while a new Pod has
+//! not started serving yet does the node service read its status and Events
+//! ([`PodLauncher::inspect`], [`super::pod_status`]), to tell why it does not start.
 
+use super::pod_status::{self, PodState};
 use super::{handoff, FailureKind, MountError, MountRequest};
-use k8s_openapi::api::core::v1::{Node, Pod, ResourceRequirements, Secret};
+use k8s_openapi::api::core::v1::{Event, Node, Pod, ResourceRequirements, Secret};
 use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::{Api, Client};
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 /// The file a mounter in handoff mode writes its fatal error to before it exits (its
 /// stderr belongs to the container runtime in pod mode).
@@ -84,6 +89,10 @@ pub struct MounterArgs {
     /// (pod mode) Seconds a mounter Pod gets to complete its uploads when it is deleted
     #[arg(long, default_value = "30")]
     pub mounter_grace_seconds: u32,
+    /// (pod mode) Run the mounter Pods in the host's network namespace (hostNetwork, with
+    /// dnsPolicy ClusterFirstWithHostNet), e.g. to reach the instance metadata service
+    #[arg(long)]
+    pub mounter_host_network: bool,
 }
 
 fn parse_resources(text: &str) -> Result<ResourceRequirements, String> {
@@ -116,6 +125,7 @@ impl MounterArgs {
             priority_class: self.mounter_priority_class.clone(),
             resources: self.mounter_resources.clone(),
             termination_grace_seconds: self.mounter_grace_seconds,
+            host_network: self.mounter_host_network,
         }))
     }
 }
@@ -133,14 +143,23 @@ pub struct PodSettings {
     pub priority_class: Option<String>,
     pub resources: ResourceRequirements,
     pub termination_grace_seconds: u32,
+    /// hostNetwork: true (and dnsPolicy: ClusterFirstWithHostNet, so that cluster Service
+    /// names still resolve).
+    pub host_network: bool,
 }
 
 pub struct PodLauncher {
     pods: Api<Pod>,
     secrets: Api<Secret>,
+    events: Api<Event>,
+    /// The API server refused to list Events (RBAC of an older chart): status only.
+    events_denied: AtomicBool,
     settings: PodSettings,
     node_uid: Option<String>,
 }
+
+/// How long one look at a starting Pod (its status, its Events) may take.
+const INSPECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Credentials that may be handed to a mounter, as environment variable names.
 const CREDENTIAL_KEYS: [&str; 3] = [
@@ -185,7 +204,9 @@ impl PodLauncher {
         };
         Ok(Self {
             pods: Api::namespaced(client.clone(), &settings.namespace),
-            secrets: Api::namespaced(client, &settings.namespace),
+            secrets: Api::namespaced(client.clone(), &settings.namespace),
+            events: Api::namespaced(client, &settings.namespace),
+            events_denied: AtomicBool::new(false),
             settings,
             node_uid,
         })
@@ -274,7 +295,7 @@ impl PodLauncher {
                     "key": "metadata.name", "operator": "In", "values": [s.node_name]}]}]}}},
             "tolerations": [{"operator": "Exists"}],
             "containers": [{
-                "name": "mounter",
+                "name": pod_status::CONTAINER,
                 "image": s.image,
                 "imagePullPolicy": s.image_pull_policy,
                 "command": [s.command],
@@ -296,6 +317,10 @@ impl PodLauncher {
         }
         if let Some(pc) = &s.priority_class {
             spec["priorityClassName"] = json!(pc);
+        }
+        if s.host_network {
+            spec["hostNetwork"] = json!(true);
+            spec["dnsPolicy"] = json!("ClusterFirstWithHostNet");
         }
         let pod = json!({
             "apiVersion": "v1",
@@ -428,6 +453,46 @@ impl PodLauncher {
             Ok(_) => Ok(()),
             Err(e) if is_status(&e, 404) => Ok(()),
             Err(e) => Err(api_error("cannot delete the mounter secret", e)),
+        }
+    }
+
+    /// What the API server says about the (starting) mounter Pod `name`: its status and
+    /// the Events about it. Events are optional: without RBAC for them (an older chart),
+    /// the status alone is read, and that is logged once.
+    pub async fn inspect(&self, name: &str) -> Result<PodState, MountError> {
+        let look = async {
+            let Some(pod) = self
+                .pods
+                .get_opt(name)
+                .await
+                .map_err(|e| api_error("cannot read the mounter pod", e))?
+            else {
+                return Ok(PodState::Deleted);
+            };
+            let mut events = vec![];
+            if !self.events_denied.load(Ordering::Relaxed) {
+                let params = ListParams::default().fields(&format!(
+                    "involvedObject.kind=Pod,involvedObject.name={name}"
+                ));
+                match self.events.list(&params).await {
+                    Ok(list) => events = list.items,
+                    Err(e) if is_status(&e, 403) => {
+                        self.events_denied.store(true, Ordering::Relaxed);
+                        tracing::warn!(error = %e,
+                            "cannot list events; a mounter pod that does not start is \
+                             explained from its status only (the chart's node RBAC grants \
+                             list on events)");
+                    }
+                    Err(e) => tracing::debug!(pod = name, error = %e, "cannot list events"),
+                }
+            }
+            Ok(pod_status::assess(&pod, &events))
+        };
+        match tokio::time::timeout(INSPECT_TIMEOUT, look).await {
+            Ok(state) => state,
+            Err(_) => Err(MountError::other(format!(
+                "the API server did not answer within {INSPECT_TIMEOUT:?}"
+            ))),
         }
     }
 

@@ -375,6 +375,62 @@ fn copy_source(bucket: &str, key: &str) -> String {
     out
 }
 
+impl AwsClient {
+    /// Ranged GET, of one version of the object when `etag` is given.
+    async fn get_version_range(
+        &self,
+        key: &str,
+        etag: Option<&str>,
+        start: u64,
+        end: u64,
+    ) -> S3Result<Bytes> {
+        if end <= start {
+            return Ok(Bytes::new());
+        }
+        // The SDK retries a GET until its response headers arrive; the body streams after
+        // that, outside its retry loop. A body that breaks off (connection reset) or stalls
+        // for longer than the read timeout is resumed here with a GET of the rest.
+        let mut buf = bytes::BytesMut::with_capacity((end - start).min(64 << 20) as usize);
+        let mut body_failures = 0;
+        loop {
+            let from = start + buf.len() as u64;
+            let out = self
+                .client
+                .get_object()
+                .bucket(&self.bucket)
+                .key(key)
+                .range(format!("bytes={}-{}", from, end - 1))
+                .set_if_match(etag.map(str::to_string))
+                .send()
+                .await
+                .map_err(map_err)?;
+            let mut body = out.body;
+            let broke = loop {
+                match tokio::time::timeout(self.timeouts.read, body.next()).await {
+                    Ok(Some(Ok(piece))) => buf.extend_from_slice(&piece),
+                    Ok(None) => break None,
+                    Ok(Some(Err(e))) => break Some(format!("reading object body: {e}")),
+                    Err(_) => {
+                        break Some(format!("object body stalled for {:?}", self.timeouts.read))
+                    }
+                }
+            };
+            let Some(why) = broke else {
+                return Ok(buf.freeze());
+            };
+            if buf.len() as u64 >= end - start {
+                return Ok(buf.freeze());
+            }
+            body_failures += 1;
+            if body_failures > BODY_RETRIES {
+                return Err(S3Error::Other(why));
+            }
+            tracing::debug!(key, got = buf.len(), error = %why, "download broke off; resuming");
+            tokio::time::sleep(Duration::from_millis(100 << body_failures)).await;
+        }
+    }
+}
+
 #[async_trait]
 impl ObjectClient for AwsClient {
     async fn head_object(&self, key: &str) -> S3Result<ObjectMeta> {
@@ -430,49 +486,17 @@ impl ObjectClient for AwsClient {
     }
 
     async fn get_range(&self, key: &str, start: u64, end: u64) -> S3Result<Bytes> {
-        if end <= start {
-            return Ok(Bytes::new());
-        }
-        // The SDK retries a GET until its response headers arrive; the body streams after
-        // that, outside its retry loop. A body that breaks off (connection reset) or stalls
-        // for longer than the read timeout is resumed here with a GET of the rest.
-        let mut buf = bytes::BytesMut::with_capacity((end - start).min(64 << 20) as usize);
-        let mut body_failures = 0;
-        loop {
-            let from = start + buf.len() as u64;
-            let out = self
-                .client
-                .get_object()
-                .bucket(&self.bucket)
-                .key(key)
-                .range(format!("bytes={}-{}", from, end - 1))
-                .send()
-                .await
-                .map_err(map_err)?;
-            let mut body = out.body;
-            let broke = loop {
-                match tokio::time::timeout(self.timeouts.read, body.next()).await {
-                    Ok(Some(Ok(piece))) => buf.extend_from_slice(&piece),
-                    Ok(None) => break None,
-                    Ok(Some(Err(e))) => break Some(format!("reading object body: {e}")),
-                    Err(_) => {
-                        break Some(format!("object body stalled for {:?}", self.timeouts.read))
-                    }
-                }
-            };
-            let Some(why) = broke else {
-                return Ok(buf.freeze());
-            };
-            if buf.len() as u64 >= end - start {
-                return Ok(buf.freeze());
-            }
-            body_failures += 1;
-            if body_failures > BODY_RETRIES {
-                return Err(S3Error::Other(why));
-            }
-            tracing::debug!(key, got = buf.len(), error = %why, "download broke off; resuming");
-            tokio::time::sleep(Duration::from_millis(100 << body_failures)).await;
-        }
+        self.get_version_range(key, None, start, end).await
+    }
+
+    async fn get_range_if_match(
+        &self,
+        key: &str,
+        etag: &str,
+        start: u64,
+        end: u64,
+    ) -> S3Result<Bytes> {
+        self.get_version_range(key, Some(etag), start, end).await
     }
 
     async fn put_object(&self, key: &str, body: Bytes) -> S3Result<ObjectMeta> {
@@ -641,26 +665,10 @@ impl ObjectClient for AwsClient {
         while start < size {
             let end = (start + COPY_PART).min(size);
             let res = self
-                .client
-                .upload_part_copy()
-                .bucket(&self.bucket)
-                .key(dst)
-                .upload_id(&upload_id)
-                .part_number(number)
-                .copy_source(&source)
-                .copy_source_range(format!("bytes={}-{}", start, end - 1))
-                .send()
-                .await
-                .map_err(map_err);
+                .upload_part_copy(dst, &upload_id, number, src, None, start, end)
+                .await;
             match res {
-                Ok(out) => parts.push(CompletedPart {
-                    part_number: number,
-                    etag: out
-                        .copy_part_result()
-                        .and_then(|r| r.e_tag())
-                        .unwrap_or_default()
-                        .to_string(),
-                }),
+                Ok(part) => parts.push(part),
                 Err(e) => {
                     let _ = self.abort_multipart(dst, &upload_id).await;
                     return Err(e);
@@ -674,6 +682,39 @@ impl ObjectClient for AwsClient {
             return Err(e);
         }
         Ok(())
+    }
+
+    async fn upload_part_copy(
+        &self,
+        key: &str,
+        upload_id: &str,
+        part_number: i32,
+        src: &str,
+        src_etag: Option<&str>,
+        start: u64,
+        end: u64,
+    ) -> S3Result<CompletedPart> {
+        let out = self
+            .client
+            .upload_part_copy()
+            .bucket(&self.bucket)
+            .key(key)
+            .upload_id(upload_id)
+            .part_number(part_number)
+            .copy_source(copy_source(&self.bucket, src))
+            .copy_source_range(format!("bytes={}-{}", start, end - 1))
+            .set_copy_source_if_match(src_etag.map(str::to_string))
+            .send()
+            .await
+            .map_err(map_err)?;
+        Ok(CompletedPart {
+            part_number,
+            etag: out
+                .copy_part_result()
+                .and_then(|r| r.e_tag())
+                .unwrap_or_default()
+                .to_string(),
+        })
     }
 
     async fn delete_object(&self, key: &str) -> S3Result<()> {

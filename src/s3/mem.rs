@@ -41,8 +41,23 @@ impl MemClient {
         ObjectMeta {
             size: body.len() as u64,
             mtime,
-            etag: Some(format!("\"{:x}\"", body.len())),
+            etag: Some(Self::etag_of(body)),
         }
+    }
+    /// A digest of the content, as S3's single-part ETags are, so that two versions differ.
+    fn etag_of(body: &Bytes) -> String {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        body.hash(&mut h);
+        format!("\"{:016x}\"", h.finish())
+    }
+    fn check_version(&self, key: &str, etag: &str) -> S3Result<()> {
+        let objs = self.objects.lock().unwrap();
+        let (body, _) = objs.get(key).ok_or(S3Error::NotFound)?;
+        if Self::etag_of(body) != etag {
+            return Err(S3Error::PreconditionFailed);
+        }
+        Ok(())
     }
 }
 
@@ -108,6 +123,17 @@ impl ObjectClient for MemClient {
         Ok(body.slice(start..end))
     }
 
+    async fn get_range_if_match(
+        &self,
+        key: &str,
+        etag: &str,
+        start: u64,
+        end: u64,
+    ) -> S3Result<Bytes> {
+        self.check_version(key, etag)?;
+        self.get_range(key, start, end).await
+    }
+
     async fn put_object(&self, key: &str, body: Bytes) -> S3Result<ObjectMeta> {
         let now = SystemTime::now();
         let meta = Self::meta(&body, now);
@@ -167,6 +193,23 @@ impl ObjectClient for MemClient {
     async fn abort_multipart(&self, _key: &str, upload_id: &str) -> S3Result<()> {
         self.uploads.lock().unwrap().remove(upload_id);
         Ok(())
+    }
+
+    async fn upload_part_copy(
+        &self,
+        key: &str,
+        upload_id: &str,
+        part_number: i32,
+        src: &str,
+        src_etag: Option<&str>,
+        start: u64,
+        end: u64,
+    ) -> S3Result<CompletedPart> {
+        if let Some(etag) = src_etag {
+            self.check_version(src, etag)?;
+        }
+        let body = self.get_range(src, start, end).await?;
+        self.upload_part(key, upload_id, part_number, body).await
     }
 
     async fn copy_object(&self, src: &str, dst: &str, _size: u64) -> S3Result<()> {

@@ -90,6 +90,15 @@ pub trait ObjectClient: Send + Sync + 'static {
     async fn list(&self, req: ListRequest<'_>) -> S3Result<ListPage>;
     /// Bytes `start..end` (end exclusive) of `key`.
     async fn get_range(&self, key: &str, start: u64, end: u64) -> S3Result<Bytes>;
+    /// Bytes `start..end` of the version of `key` whose ETag is `etag`;
+    /// `PreconditionFailed` once the key holds another version.
+    async fn get_range_if_match(
+        &self,
+        key: &str,
+        etag: &str,
+        start: u64,
+        end: u64,
+    ) -> S3Result<Bytes>;
     async fn put_object(&self, key: &str, body: Bytes) -> S3Result<ObjectMeta>;
     async fn create_multipart(&self, key: &str) -> S3Result<String>;
     async fn upload_part(
@@ -106,6 +115,20 @@ pub trait ObjectClient: Send + Sync + 'static {
         parts: Vec<CompletedPart>,
     ) -> S3Result<ObjectMeta>;
     async fn abort_multipart(&self, key: &str, upload_id: &str) -> S3Result<()>;
+    /// Part `part_number` of upload `upload_id` of `key`, copied on the server from bytes
+    /// `start..end` of `src`; with `src_etag`, only from that version of `src`
+    /// (`PreconditionFailed` otherwise).
+    #[allow(clippy::too_many_arguments)]
+    async fn upload_part_copy(
+        &self,
+        key: &str,
+        upload_id: &str,
+        part_number: i32,
+        src: &str,
+        src_etag: Option<&str>,
+        start: u64,
+        end: u64,
+    ) -> S3Result<CompletedPart>;
     /// Copy `src` onto `dst` within the bucket; `size` picks single or multipart copy.
     async fn copy_object(&self, src: &str, dst: &str, size: u64) -> S3Result<()>;
     async fn delete_object(&self, key: &str) -> S3Result<()>;

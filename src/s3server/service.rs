@@ -608,6 +608,14 @@ impl s3s::S3 for Backend {
                 src_bucket,
                 src_key,
                 range,
+                |src| {
+                    check_conditions(
+                        src,
+                        &input.copy_source_if_match,
+                        &input.copy_source_if_none_match,
+                    )
+                    .is_ok()
+                },
             )
             .await
             .map_err(s3_err)?;

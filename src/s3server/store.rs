@@ -775,7 +775,8 @@ impl Store {
     }
 
     /// UploadPartCopy: bytes `range` (end exclusive; the whole object when `None`) of the
-    /// source become the part. Returns the part's ETag and the source's mtime.
+    /// source become the part, provided `source_ok` accepts the version opened (the
+    /// x-amz-copy-source-if-* conditions). Returns the part's ETag and the source's mtime.
     #[allow(clippy::too_many_arguments)]
     pub async fn upload_part_copy(
         &self,
@@ -786,10 +787,14 @@ impl Store {
         src_bucket: &str,
         src_key: &str,
         range: Option<(u64, u64)>,
+        source_ok: impl FnOnce(&ObjectInfo) -> bool,
     ) -> Result<(String, SystemTime)> {
         self.check_upload(bucket, key, upload_id)?;
         let path = self.part_path(upload_id, part_number)?;
         let (src, mut file) = self.open_object(src_bucket, src_key)?;
+        if !source_ok(&src) {
+            return Err(StoreError::PreconditionFailed);
+        }
         let (start, end) = range.unwrap_or((0, src.size));
         if start >= end || end > src.size {
             return Err(StoreError::InvalidArgument(format!(

@@ -16,6 +16,7 @@ import re
 from typing import Any
 
 import helm_python as helm
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -36,13 +37,25 @@ from chartlib import (
     one,
     render_chart,
     render_objects,
+    schema_versions,
+    validate_object,
 )
 
 GOOD_VALUES = [
     "defaults", "irsa", "two-buckets", "minio-secret", "metrics", "process-mode", "mounter-custom",
 ]
-# The oldest Kubernetes release we support and the newest one kubernetes-validate bundles.
-KUBE_VERSIONS = ["1.28", kubernetes_validate.latest_version()]
+# Good values without the controller: the tests of the `case` fixture expect a controller, so
+# these go through the lint, schema and Kubernetes-schema tests and tests of their own.
+NODE_ONLY_VALUES = ["node-only"]
+ALL_GOOD_VALUES = GOOD_VALUES + NODE_ONLY_VALUES
+# The oldest Kubernetes release the chart supports (Chart.yaml's kubeVersion; its schemas are
+# vendored in kube-schemas/, kubernetes-validate no longer bundles them), the last one before
+# the version-dependent CSIDriver fields change (templates/csidriver.yaml), the first one after,
+# and the newest one kubernetes-validate bundles. The chart is rendered for each (as
+# .Capabilities.KubeVersion) and checked against that release's schemas.
+OLDEST_KUBE = "1.20"
+NEWEST_KUBE = kubernetes_validate.utils.major_minor(kubernetes_validate.latest_version())
+KUBE_VERSIONS = [OLDEST_KUBE, "1.25", "1.26", NEWEST_KUBE]
 EXAMPLES = sorted(p.name for p in EXAMPLES_DIR.glob("*.yaml"))
 ROLE_ARN = "eks.amazonaws.com/role-arn"
 
@@ -97,6 +110,11 @@ def pod_mode(values: dict[str, Any]) -> bool:
     return merged(values)["mounter"]["mode"] == "pod"
 
 
+def flag_present(args: list[str], name: str) -> bool:
+    """Whether the switch `--name` (no value) is in an argument list."""
+    return f"--{name}" in args
+
+
 def socket_path(endpoint: str) -> str:
     assert endpoint.startswith("unix://"), endpoint
     return endpoint[len("unix://") :]
@@ -105,8 +123,8 @@ def socket_path(endpoint: str) -> str:
 # --- Helm: lint, schema, render -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", GOOD_VALUES)
-@pytest.mark.parametrize("kube_version", ["v1.28.0", None])
+@pytest.mark.parametrize("name", ALL_GOOD_VALUES)
+@pytest.mark.parametrize("kube_version", ["v1.20.2", "v1.28.0", None])
 def test_helm_lint_is_clean(name: str, kube_version: str | None) -> None:
     report = helm.lint(
         CHART_DIR,
@@ -121,7 +139,7 @@ def test_helm_lint_is_clean(name: str, kube_version: str | None) -> None:
     assert problems == []
 
 
-@pytest.mark.parametrize("name", GOOD_VALUES)
+@pytest.mark.parametrize("name", ALL_GOOD_VALUES)
 def test_values_files_pass_the_schema(name: str) -> None:
     with helm.Chart.load(CHART_DIR) as chart:
         chart.validate_schema(load_values_file(name))
@@ -182,6 +200,12 @@ def test_typo_values_fail_the_schema() -> None:
         {"mounter": {"terminationGracePeriodSeconds": -1}},
         {"mounter": {"terminationGracePeriodSeconds": "30"}},
         {"mounter": {"gracePeriod": 30}},
+        {"mounter": {"hostNetwork": "true"}},
+        {"mounter": {"hostNetwork": 1}},
+        {"mounter": {"hostnetwork": True}},
+        {"controller": {"enabled": "false"}},
+        {"controller": {"enabled": None}},
+        {"controller": {"enable": False}},
     ],
     ids=lambda b: json.dumps(b, sort_keys=True),
 )
@@ -258,16 +282,45 @@ def test_chart_metadata() -> None:
 # --- Kubernetes schemas ------------------------------------------------------------------------
 
 
+def test_kube_versions_have_schemas() -> None:
+    """Every release the tests render for is checked against its own schemas (not silently
+    against the nearest older one), the oldest one from the vendored file."""
+    assert set(KUBE_VERSIONS) <= set(schema_versions())
+    assert OLDEST_KUBE not in {
+        kubernetes_validate.utils.major_minor(v) for v in kubernetes_validate.utils.all_versions()
+    }, "kubernetes-validate bundles 1.20 again: drop kube-schemas/v1.20.json"
+    assert (REPO / "tests" / "chart" / "kube-schemas" / f"v{OLDEST_KUBE}.json").exists()
+
+
 @pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
-def test_rendered_objects_are_valid_kubernetes(case, kube_version: str) -> None:
-    name, _, objects = case
+@pytest.mark.parametrize("name", ALL_GOOD_VALUES)
+def test_rendered_objects_are_valid_kubernetes(name: str, kube_version: str) -> None:
+    """Rendered for `kube_version` (.Capabilities.KubeVersion) and validated against that
+    release's strict schemas: no field a release does not know, for every values file."""
+    objects = render_objects(load_values_file(name), kube_version=f"v{kube_version}.0")
     assert objects, f"{name}: nothing rendered"
     for obj in objects:
         try:
-            kubernetes_validate.validate(obj, kube_version, strict=True)
-        except kubernetes_validate.ValidationError as error:
+            validate_object(obj, kube_version)
+        except jsonschema.ValidationError as error:
             where = "/".join(str(p) for p in error.absolute_path)
-            pytest.fail(f"{name}: {obj['kind']}/{obj['metadata']['name']} at {where}: {error.message}")
+            pytest.fail(f"{name} on {kube_version}: {obj['kind']}/{obj['metadata']['name']} "
+                        f"at {where}: {error.message}")
+
+
+def test_schema_validation_refuses_fields_a_release_does_not_know() -> None:
+    """The vendored 1.20 schemas are strict: a field added after 1.20 is refused there and
+    accepted by a release that has it (so the 1.20 run above means something)."""
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"},
+           "spec": {"hostUsers": False, "containers": [{"name": "c", "image": "i"}]}}
+    validate_object(pod, "1.30")  # spec.hostUsers: 1.25+
+    with pytest.raises(jsonschema.ValidationError, match="hostUsers"):
+        validate_object(pod, "1.20")
+    pod["spec"].pop("hostUsers")
+    validate_object(pod, "1.20")
+    pod["spec"]["containers"][0]["imagePullPolicy"] = 3
+    with pytest.raises(jsonschema.ValidationError):
+        validate_object(pod, "1.20")
 
 
 @pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
@@ -275,8 +328,8 @@ def test_rendered_objects_are_valid_kubernetes(case, kube_version: str) -> None:
 def test_examples_are_valid_kubernetes(example: str, kube_version: str) -> None:
     for obj in load_yaml_objects(EXAMPLES_DIR / example):
         try:
-            kubernetes_validate.validate(obj, kube_version, strict=True)
-        except kubernetes_validate.ValidationError as error:
+            validate_object(obj, kube_version)
+        except jsonschema.ValidationError as error:
             where = "/".join(str(p) for p in error.absolute_path)
             pytest.fail(f"{example}: {obj['kind']}/{obj['metadata']['name']} at {where}: {error.message}")
 
@@ -299,6 +352,7 @@ def test_driver_name_agrees_everywhere(case) -> None:
 
 
 def test_csidriver_spec(case) -> None:
+    """A current Kubernetes (the SDK's default .Capabilities.KubeVersion)."""
     _, _, objects = case
     spec = one(objects, "CSIDriver")["spec"]
     assert spec == {
@@ -308,6 +362,68 @@ def test_csidriver_spec(case) -> None:
         "requiresRepublish": False,
         "volumeLifecycleModes": ["Persistent"],
     }
+
+
+@pytest.mark.parametrize(
+    "kube_version, fs_group_policy, requires_republish",
+    [
+        # 1.20: no fsGroup delegation to CSI drivers, so "File" would make the kubelet chown
+        # every object; requiresRepublish is an alpha field there (CSIServiceAccountToken).
+        ("v1.20.2", "None", None),
+        ("v1.20.0", "None", None),
+        ("v1.20.15-eks-1234abc", "None", None),  # vendor builds: pre-release semver
+        ("v1.21.0", "None", False),
+        ("v1.25.16", "None", False),
+        # 1.26: DelegateFSGroupToCSIDriver is GA, the kubelet passes fsGroup to the driver.
+        ("v1.26.0", "File", False),
+        ("v1.26.0-gke.100", "File", False),
+        ("v1.37.0", "File", False),
+    ],
+)
+def test_csidriver_spec_follows_the_kubernetes_version(
+    kube_version: str, fs_group_policy: str, requires_republish: bool | None
+) -> None:
+    spec = one(render_objects({}, kube_version=kube_version), "CSIDriver")["spec"]
+    assert spec["fsGroupPolicy"] == fs_group_policy
+    assert spec.get("requiresRepublish") == requires_republish
+    assert spec["attachRequired"] is False and spec["podInfoOnMount"] is True
+    assert spec["volumeLifecycleModes"] == ["Persistent"]
+
+
+def test_only_the_csidriver_depends_on_the_kubernetes_version(case) -> None:
+    """Everything but the CSIDriver renders the same for 1.20 and for a current release."""
+    name, values, objects = case
+    old = render_objects(values, kube_version="v1.20.2")
+    strip = [o for o in objects if o["kind"] != "CSIDriver"]
+    assert [o for o in old if o["kind"] != "CSIDriver"] == strip, name
+
+
+def _semver_admits(constraint: str, version: str, tmp_path) -> bool:
+    """Helm's own semverCompare (the library that checks Chart.yaml's kubeVersion)."""
+    chart = tmp_path / "probe"
+    (chart / "templates").mkdir(parents=True, exist_ok=True)
+    (chart / "Chart.yaml").write_text("apiVersion: v2\nname: probe\nversion: 0.1.0\n")
+    (chart / "templates" / "probe.yaml").write_text(
+        "admitted: {{ semverCompare .Values.constraint .Capabilities.KubeVersion.Version }}\n")
+    import helm_python._native as native  # noqa: PLC0415 (render with a kube version)
+    with helm.Chart.load(chart) as c:
+        out = json.loads(native.call_string(
+            "helm_render", c._raw(), json.dumps({"constraint": constraint}),
+            json.dumps({"kube_version": version})))
+    return yaml.safe_load(out["probe/templates/probe.yaml"])["admitted"]
+
+
+def test_chart_kube_version_admits_1_20_and_current_releases(tmp_path) -> None:
+    with helm.Chart.load(CHART_DIR) as chart:
+        constraint = chart.metadata["kubeVersion"]
+    assert constraint == ">=1.20.0-0"
+    for version in ("v1.20.0", "v1.20.2", "v1.20.15-eks-1234abc", "v1.26.0",
+                    f"v{NEWEST_KUBE}.0"):
+        assert _semver_admits(constraint, version, tmp_path), version
+    for version in ("v1.19.16", "v1.19.0-eks-1"):
+        assert not _semver_admits(constraint, version, tmp_path), version
+    # The tests render for the oldest admitted release.
+    assert constraint.startswith(f">={OLDEST_KUBE}.0")
 
 
 def test_node_plugin_command_line(case) -> None:
@@ -403,17 +519,45 @@ def test_defaults_run_everywhere_with_critical_priority() -> None:
 
 
 def test_health_ports_agree(case) -> None:
+    """The livenessprobe sidecar listens where the kubelet's probe of the s3csi container
+    looks: on the host's network (node.hostNetwork) 127.0.0.1 only, probed at 127.0.0.1 (the
+    httpGet host would default to the pod IP, the node's address there); in a pod network
+    namespace every interface of it, probed at the pod IP. --http-endpoint, never the
+    deprecated --health-port."""
     _, values, objects = case
     m = merged(values)
     for pod, port in ((node_pod(objects), m["node"]["healthPort"]),
                       (controller_pod(objects), m["controller"]["healthPort"])):
         probe = container(pod, "liveness-probe")
-        assert flag(probe["args"], "health-port") == str(port)
+        assert not any(a.startswith("--health-port") for a in probe["args"])
         assert flag(probe["args"], "csi-address") == "/csi/csi.sock"
         s3csi = container(pod, "s3csi")
         ports = {p["name"]: p["containerPort"] for p in s3csi["ports"]}
         assert ports["healthz"] == port
-        assert s3csi["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+        if pod.get("hostNetwork", False):
+            assert flag(probe["args"], "http-endpoint") == f"127.0.0.1:{port}"
+            assert s3csi["livenessProbe"]["httpGet"] == {
+                "host": "127.0.0.1", "path": "/healthz", "port": "healthz"}
+        else:
+            assert flag(probe["args"], "http-endpoint") == f":{port}"
+            assert s3csi["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
+    # The controller never runs on the host's network.
+    assert "hostNetwork" not in controller_pod(objects)
+
+
+@pytest.mark.parametrize("host_network", [True, False])
+def test_node_liveness_endpoint_follows_host_network(host_network: bool) -> None:
+    values = {"node": {"hostNetwork": host_network, "healthPort": 9900}}
+    pod = node_pod(render_objects(values))
+    probe_args = container(pod, "liveness-probe")["args"]
+    http_get = container(pod, "s3csi")["livenessProbe"]["httpGet"]
+    if host_network:
+        assert "--http-endpoint=127.0.0.1:9900" in probe_args
+        assert http_get["host"] == "127.0.0.1"
+    else:
+        assert "--http-endpoint=:9900" in probe_args
+        assert "host" not in http_get
+    assert http_get["port"] == "healthz"
 
 
 def test_metrics_wiring(case) -> None:
@@ -482,6 +626,8 @@ def test_metrics_port_must_not_be_the_health_port(component: str) -> None:
 NODE_SERVICE_ROLE_RULES = [
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "get", "list", "delete"]},
     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create", "get", "list", "delete"]},
+    # The Events about a mounter Pod that does not start, listed by field selector.
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["list"]},
 ]
 NODE_SERVICE_CLUSTER_ROLE_RULES = [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}]
 
@@ -502,6 +648,8 @@ def test_mounter_defaults(chart_values: dict[str, Any]) -> None:
             "limits": {"memory": "1Gi"},
         },
         "terminationGracePeriodSeconds": 30,
+        # null: follow node.hostNetwork.
+        "hostNetwork": None,
     }
 
 
@@ -523,6 +671,7 @@ def test_default_render_runs_mounters_as_pods() -> None:
         "limits": {"memory": "1Gi"},
     }
     assert flag(args, "mounter-grace-seconds") == "30"
+    assert not flag_present(args, "mounter-host-network")
 
     role = one(objects, "Role", "s3csi-mounters")
     assert role["metadata"]["namespace"] == NAMESPACE
@@ -574,6 +723,10 @@ def test_mounter_command_line(case) -> None:
     else:
         assert not any(a.startswith("--mounter-priority-class") for a in args)
     assert flag(args, "mounter-grace-seconds") == str(mounter["terminationGracePeriodSeconds"])
+    host_network = mounter.get("hostNetwork")  # null (Helm drops it): node.hostNetwork
+    if host_network is None:
+        host_network = m["node"]["hostNetwork"]
+    assert flag_present(args, "mounter-host-network") == host_network, name
     resources = json.loads(flag(args, "mounter-resources"))
     # Quantities are JSON strings (what k8s-openapi's Quantity parses), numbers included.
     expected = {
@@ -603,9 +756,12 @@ def test_mounter_resources_are_valid_resource_requirements(case, kube_version: s
             }],
         },
     }
+    if flag_present(args, "mounter-host-network"):
+        pod["spec"]["hostNetwork"] = True
+        pod["spec"]["dnsPolicy"] = "ClusterFirstWithHostNet"
     try:
-        kubernetes_validate.validate(pod, kube_version, strict=True)
-    except kubernetes_validate.ValidationError as error:
+        validate_object(pod, kube_version)
+    except jsonschema.ValidationError as error:
         pytest.fail(f"{name}: mounter pod: {error.message}")
 
 
@@ -684,6 +840,54 @@ def test_process_mode_renders_no_mounter_objects() -> None:
     assert {o["metadata"]["name"] for o in find(objects, "ClusterRole")} == {"s3csi-provisioner"}
     notes = render_chart(values)["s3csi/templates/NOTES.txt"]
     assert "mounter.mode: process" in notes and "WARNING" not in notes
+
+
+@pytest.mark.parametrize(
+    "node_host_network, mounter_host_network, expected",
+    [
+        (False, None, False),  # the defaults
+        (True, None, True),  # null follows node.hostNetwork
+        (True, False, False),
+        (False, True, True),
+        (True, True, True),
+        (False, False, False),
+    ],
+)
+def test_mounter_host_network(
+    node_host_network: bool, mounter_host_network: bool | None, expected: bool
+) -> None:
+    values: dict[str, Any] = {"node": {"hostNetwork": node_host_network}}
+    if mounter_host_network is not None:
+        values["mounter"] = {"hostNetwork": mounter_host_network}
+    with helm.Chart.load(CHART_DIR) as chart:
+        chart.validate_schema(values)
+    args = container(node_pod(render_objects(values)), "s3csi")["args"]
+    assert flag_present(args, "mounter-host-network") == expected
+    assert [a for a in args if a.startswith("--mounter-host-network")] == (
+        ["--mounter-host-network"] if expected else [])
+    notes = render_chart(values)["s3csi/templates/NOTES.txt"]
+    assert ("They run on the host's network" in notes) == expected
+    # The node plugin's own hostNetwork is node.hostNetwork alone.
+    assert node_pod(render_objects(values)).get("hostNetwork", False) == node_host_network
+
+
+def test_mounter_host_network_is_pod_mode_only() -> None:
+    values = {"mounter": {"mode": "process", "hostNetwork": True}, "node": {"hostNetwork": True}}
+    args = container(node_pod(render_objects(values)), "s3csi")["args"]
+    assert mounter_flags(args) == ["--mounter=process"]
+    # An explicit null (what `--set mounter.hostNetwork=null` gives) follows node.hostNetwork.
+    values = {"mounter": {"hostNetwork": None}, "node": {"hostNetwork": True}}
+    assert flag_present(container(node_pod(render_objects(values)), "s3csi")["args"],
+                        "mounter-host-network")
+
+
+def test_mounter_host_network_flag_exists_in_the_binary() -> None:
+    """--mounter-host-network is a switch (clap bool) of `s3csi csi`, and the Pod it makes
+    asks for the host's network with ClusterFirstWithHostNet DNS."""
+    src = (REPO / "src" / "mounter" / "pod.rs").read_text()
+    assert re.search(r"#\[arg\(long\)\]\s*pub mounter_host_network: bool,", src)
+    assert 'spec["hostNetwork"] = json!(true);' in src
+    assert 'spec["dnsPolicy"] = json!("ClusterFirstWithHostNet");' in src
 
 
 def test_mounter_image_fields_fall_back_one_by_one() -> None:
@@ -1004,6 +1208,91 @@ def test_notes_render(case) -> None:
         assert "mounter.mode: process" in notes, name
     for entry in values.get("storageClasses", []):
         assert entry["name"] in notes, name
+
+
+# --- Node-only installs (controller.enabled) --------------------------------------------------
+
+
+def _component_objects(objects: list[dict[str, Any]], component: str) -> list[tuple[str, str]]:
+    return sorted(
+        (o["kind"], o["metadata"]["name"]) for o in objects
+        if o["metadata"].get("labels", {}).get("app.kubernetes.io/component") == component
+    )
+
+
+def test_controller_is_enabled_by_default(chart_values: dict[str, Any]) -> None:
+    assert chart_values["controller"]["enabled"] is True
+    objects = render_objects({})
+    assert _component_objects(objects, "controller") == [
+        ("ClusterRole", "s3csi-provisioner"),
+        ("ClusterRoleBinding", "s3csi-provisioner"),
+        ("Deployment", "s3csi-controller"),
+        ("Role", "s3csi-provisioner-leader-election"),
+        ("RoleBinding", "s3csi-provisioner-leader-election"),
+        ("ServiceAccount", "s3csi-controller"),
+    ]
+
+
+def test_node_only_install_renders_no_controller() -> None:
+    values = load_values_file("node-only")
+    objects = render_objects(values)
+    # No Deployment (nor its csi-provisioner sidecar), no controller ServiceAccount, no
+    # provisioner RBAC, even though serviceAccount.controller.create is true by default.
+    assert merged(values)["serviceAccount"]["controller"]["create"] is True
+    assert find(objects, "Deployment") == []
+    assert _component_objects(objects, "controller") == []
+    assert not any("provisioner" in o["metadata"]["name"] for o in objects)
+    assert find(objects, "StorageClass") == []
+    # The node side is all there: driver, DaemonSet, pod-mode RBAC and accounts.
+    assert one(objects, "CSIDriver")["metadata"]["name"] == DRIVER_NAME
+    pod = node_pod(objects)
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    args = container(pod, "s3csi")["args"]
+    assert flag(args, "mounter") == "pod" and flag_present(args, "mounter-host-network")
+    assert flag(container(pod, "liveness-probe")["args"], "http-endpoint") == "127.0.0.1:9808"
+    assert {o["metadata"]["name"] for o in find(objects, "ServiceAccount")} == {
+        "s3csi-node", "s3csi-mounter"}
+    assert _component_objects(objects, "node") == [
+        ("ClusterRole", "s3csi-node"),
+        ("ClusterRoleBinding", "s3csi-node"),
+        ("DaemonSet", "s3csi-node"),
+        ("Role", "s3csi-mounters"),
+        ("RoleBinding", "s3csi-mounters"),
+        ("ServiceAccount", "s3csi-node"),
+    ]
+    notes = render_chart(values)["s3csi/templates/NOTES.txt"]
+    assert "Node-only install" in notes and "deployment" not in notes
+    assert "s3csi-controller" not in notes
+    assert "with controller.enabled: true" in notes
+
+
+def test_node_only_install_in_process_mode() -> None:
+    objects = render_objects({"controller": {"enabled": False}, "mounter": {"mode": "process"}})
+    assert sorted(o["kind"] for o in objects) == ["CSIDriver", "DaemonSet", "ServiceAccount"]
+
+
+@pytest.mark.parametrize("kube_version", ["v1.20.2", None])
+def test_node_only_install_refuses_storage_classes(kube_version: str | None) -> None:
+    values = {"controller": {"enabled": False},
+              "storageClasses": [{"name": "s3", "bucket": "my-bucket"}]}
+    with helm.Chart.load(CHART_DIR) as chart:
+        chart.validate_schema(values)  # the shape is fine; the combination is not
+    with pytest.raises(helm.HelmError, match=r"storageClasses need the controller"):
+        render_chart(values, kube_version=kube_version)
+    # (helm lint renders in lint mode, where `fail` only logs: install and template refuse.)
+    # With the controller they render, and without StorageClasses the node-only install does.
+    render_chart({**values, "controller": {"enabled": True}}, kube_version=kube_version)
+    render_chart({"controller": {"enabled": False}, "storageClasses": []},
+                 kube_version=kube_version)
+
+
+def test_node_only_install_ignores_the_controller_service_account_settings() -> None:
+    values = {"controller": {"enabled": False},
+              "serviceAccount": {"controller": {"create": True, "name": "ctl",
+                                                "annotations": {ROLE_ARN: "arn:x"}}}}
+    objects = render_objects(values)
+    assert find(objects, "ServiceAccount", "ctl") == []
+    assert "ctl" not in json.dumps(objects)
 
 
 # --- manifests/ ------------------------------------------------------------------------------

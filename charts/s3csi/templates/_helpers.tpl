@@ -194,3 +194,45 @@ prometheus.io/port: {{ .Values.metrics.port | quote }}
 prometheus.io/path: /metrics
 {{- end }}
 {{- end }}
+
+{{/*
+True ("true") when mounter Pods run in the host's network namespace, else "":
+mounter.hostNetwork when it is set (true or false), node.hostNetwork when it is null.
+*/}}
+{{- define "s3csi.mounterHostNetwork" -}}
+{{- $hostNetwork := .Values.node.hostNetwork }}
+{{- if kindIs "bool" .Values.mounter.hostNetwork }}
+{{- $hostNetwork = .Values.mounter.hostNetwork }}
+{{- end }}
+{{- if $hostNetwork }}true{{ end }}
+{{- end }}
+
+{{/*
+The livenessprobe sidecar's --http-endpoint; call with (dict "hostNetwork" BOOL "port" N).
+On the host's network it listens on 127.0.0.1 only (the probe then names host 127.0.0.1),
+elsewhere on every interface of the pod's own network namespace, where the kubelet probes
+the pod IP.
+*/}}
+{{- define "s3csi.healthEndpoint" -}}
+{{- if .hostNetwork }}127.0.0.1:{{ .port }}{{ else }}:{{ .port }}{{ end }}
+{{- end }}
+
+{{/*
+The cluster's Kubernetes version as Helm sees it (the API server's at install, --kube-version
+for `helm template`), for the fields that depend on it.
+*/}}
+{{- define "s3csi.kubeVersion" -}}
+{{- .Capabilities.KubeVersion.Version }}
+{{- end }}
+
+{{/*
+The CSIDriver's fsGroupPolicy. The node plugin advertises VOLUME_MOUNT_GROUP, so a kubelet
+that delegates fsGroup to CSI drivers (DelegateFSGroupToCSIDriver: GA in 1.26) passes the
+pod's fsGroup in NodePublishVolume, s3csi makes it the mount's group, and the kubelet changes
+no file itself ("File" only says fsGroup applies to every access mode). An older kubelet, which
+does not delegate, would with "File" chown and chmod every object of the bucket itself, and
+fail the mount when that fails: "None" there (use the gid= mount option instead).
+*/}}
+{{- define "s3csi.fsGroupPolicy" -}}
+{{- if semverCompare ">=1.26.0-0" (include "s3csi.kubeVersion" .) }}File{{ else }}None{{ end }}
+{{- end }}

@@ -1,0 +1,175 @@
+//! Open files and directories: the handle table, what a file handle is doing (reading,
+//! writing, committed), open, read and the last close (release).
+
+use super::*;
+
+pub(super) enum FileState {
+    Read(Prefetcher),
+    Write(Upload),
+    /// The upload completed (close/fsync); a later write at the end of the object
+    /// continues it (see `S3Fs::write`).
+    Committed,
+    /// The last upload through this handle failed: its data is not in S3, so writing on
+    /// would build on a lost prefix; every further write gets EIO.
+    Failed,
+    /// The file was unlinked while open: writes vanish, as they would on a local disk.
+    Discarded,
+}
+
+/// Who wrote through a handle since its last commit, as the kernel names them: the lock
+/// owner of each write (the writing process's table of open files, the same in every pid
+/// namespace), where FUSE reports one (direct I/O does; page-cache writes do not).
+#[derive(Default)]
+pub(super) struct Writers {
+    pub(super) owners: Vec<u64>,
+    /// A write came without an owner, or from more owners than are worth tracking.
+    pub(super) unnamed: bool,
+}
+
+impl Writers {
+    const MAX_TRACKED: usize = 16;
+
+    pub(super) fn note(&mut self, owner: Option<u64>) {
+        match owner {
+            Some(o) if self.owners.contains(&o) => {}
+            Some(o) if self.owners.len() < Self::MAX_TRACKED => self.owners.push(o),
+            _ => self.unnamed = true,
+        }
+    }
+
+    /// Whether a close by `owner` commits: yes unless everything uncommitted was written
+    /// by other owners, which still hold the descriptor or will flush when they close it
+    /// (a forked child's exit closes an inherited descriptor it never wrote to, and must
+    /// not cost the writer a commit). Nothing written yet also commits (an empty object,
+    /// as O_TRUNC promises at close).
+    pub(super) fn flush_commits(&self, owner: u64) -> bool {
+        self.unnamed || self.owners.is_empty() || self.owners.contains(&owner)
+    }
+}
+
+pub(super) struct OpenFile {
+    /// Who wrote since the last commit: decides which closes commit.
+    pub(super) writers: Writers,
+    pub(super) ino: u64,
+    pub(super) key: String,
+    pub(super) writable: bool,
+    pub(super) append: bool,
+    /// Opened by create(): a close with nothing written may defer the empty PUT.
+    pub(super) created: bool,
+    pub(super) state: FileState,
+}
+
+#[derive(Clone)]
+pub(super) enum Handle {
+    File(Arc<tokio::sync::Mutex<OpenFile>>),
+    Dir(Arc<tokio::sync::Mutex<DirStream>>),
+}
+
+impl S3Fs {
+    pub(super) fn new_fh(&self, handle: Handle) -> u64 {
+        let fh = self.next_fh.fetch_add(1, Ordering::Relaxed);
+        lock(&self.handles).insert(fh, handle);
+        fh
+    }
+
+    /// The handle `fh`, if this mounter opened it. The table's lock is released before
+    /// this returns: callers often need it again (remove) in the same statement's scope.
+    pub(super) fn handle(&self, fh: u64) -> Option<Handle> {
+        let handles = lock(&self.handles);
+        handles.get(&fh).cloned()
+    }
+
+    pub(super) fn file_handle(&self, fh: u64) -> FsResult<Arc<tokio::sync::Mutex<OpenFile>>> {
+        match self.handle(fh) {
+            Some(Handle::File(f)) => Ok(f),
+            _ => Err(FsError::BadHandle),
+        }
+    }
+
+    pub async fn open(&self, ino: u64, mode: OpenMode) -> FsResult<u64> {
+        let mut i = self.inode(ino)?;
+        if i.kind == Kind::Dir {
+            return Err(FsError::IsDir);
+        }
+        if mode.write {
+            self.writable()?;
+            // Whatever this handle writes must land after the empty object, not before.
+            self.await_pending(ino).await?;
+            i = self.inode(ino)?;
+        }
+        if i.writer.is_some() {
+            return Err(FsError::Busy(
+                "the file is being written; open it after close",
+            ));
+        }
+        let state = if mode.write && mode.truncate {
+            FileState::Write(self.new_upload(i.key.clone()))
+        } else {
+            let size = if self.fresh(&i) {
+                i.size
+            } else {
+                self.getattr(ino).await?.size
+            };
+            FileState::Read(Prefetcher::new(
+                self.client.clone(),
+                i.key.clone(),
+                size,
+                self.cfg.prefetch,
+                self.prefetch_budget.clone(),
+            ))
+        };
+        let writing = matches!(state, FileState::Write(_));
+        let fh = self.new_fh(Handle::File(Arc::new(tokio::sync::Mutex::new(OpenFile {
+            writers: Writers::default(),
+            ino,
+            key: i.key.clone(),
+            writable: mode.write,
+            append: mode.append,
+            created: false,
+            state,
+        }))));
+        if writing {
+            if let Err(e) = self.start_writing(ino, fh, 0) {
+                lock(&self.handles).remove(&fh);
+                return Err(e);
+            }
+        }
+        if let Some(i) = lock(&self.inodes).get_mut(ino) {
+            i.open_handles += 1;
+        }
+        Ok(fh)
+    }
+
+    pub async fn read(&self, fh: u64, offset: u64, size: u32) -> FsResult<Bytes> {
+        let file = self.file_handle(fh)?;
+        let mut f = file.lock().await;
+        match &mut f.state {
+            FileState::Read(p) => p.read(offset, size).await,
+            _ => {
+                tracing::warn!(key = %f.key, "read from a handle that is writing a new object");
+                Err(FsError::Unsupported("reading a file while writing it"))
+            }
+        }
+    }
+
+    /// The last close of an open file. A handle this mounter does not know (opened
+    /// before a predecessor died, see README "Mounts survive restarts") is released at once.
+    pub async fn release(&self, fh: u64) -> FsResult<()> {
+        let Some(Handle::File(file)) = self.handle(fh) else {
+            lock(&self.handles).remove(&fh);
+            return Ok(());
+        };
+        let mut f = file.lock().await;
+        // Normally flush already committed; this covers handles closed without one (an
+        // empty new file, or a descriptor last closed by another process). The handle stays
+        // registered until the commit is done, so that `flush_all` on unmount waits for it.
+        let result = self.commit(&mut f, fh, true).await;
+        lock(&self.handles).remove(&fh);
+        let mut t = lock(&self.inodes);
+        if let Some(i) = t.get_mut(f.ino) {
+            i.open_handles = i.open_handles.saturating_sub(1);
+        }
+        t.forget(f.ino, 0);
+        result
+    }
+}

@@ -1,0 +1,194 @@
+//! Changes to the namespace: mkdir, rmdir, unlink and rename.
+
+use super::*;
+
+impl S3Fs {
+    pub async fn mkdir(&self, parent: u64, name: &str) -> FsResult<Attr> {
+        self.writable()?;
+        check_name(name)?;
+        let p = self.dir_inode(parent)?;
+        if let Some(existing) = lock(&self.inodes).child(parent, name) {
+            if self.fresh(existing) {
+                return Err(FsError::Exists);
+            }
+        }
+        if self.probe(&p.key, name).await?.is_some() {
+            return Err(FsError::Exists);
+        }
+        let key = format!("{}{}/", p.key, name);
+        if key.len() > MAX_KEY_LEN {
+            return Err(FsError::NameTooLong);
+        }
+        let probed_at = Instant::now();
+        self.client.put_object(&key, Bytes::new()).await?;
+        let mut t = lock(&self.inodes);
+        let ino = t.upsert(parent, name, Kind::Dir, 0, SystemTime::now(), None);
+        t.add_lookup(ino);
+        let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
+        // Nothing existed under it a moment ago: the new directory is known to be empty.
+        i.complete_as_of = Some(probed_at);
+        Ok(self.attr_of(i))
+    }
+
+    pub async fn rmdir(&self, parent: u64, name: &str) -> FsResult<()> {
+        self.writable()?;
+        check_name(name)?;
+        let p = self.dir_inode(parent)?;
+        let key = format!("{}{}/", p.key, name);
+        if let Some(child) = lock(&self.inodes).child(parent, name) {
+            if child.kind != Kind::Dir {
+                return Err(FsError::NotDir);
+            }
+        }
+        let page = self
+            .client
+            .list(ListRequest {
+                prefix: &key,
+                delimiter: None,
+                continuation: None,
+                max_keys: 2,
+            })
+            .await?;
+        if page.objects.is_empty() && page.prefixes.is_empty() {
+            if self.probe(&p.key, name).await?.is_some() {
+                return Err(FsError::NotDir);
+            }
+            return Err(FsError::NotFound);
+        }
+        if page.objects.iter().any(|o| o.key != key) {
+            return Err(FsError::NotEmpty);
+        }
+        {
+            let t = lock(&self.inodes);
+            if let Some(dir) = t.child(parent, name) {
+                let dino = dir.ino;
+                if t.children_of(dino)
+                    .any(|c| c.local_only || c.writer.is_some())
+                {
+                    return Err(FsError::NotEmpty);
+                }
+            }
+        }
+        self.client.delete_object(&key).await?;
+        lock(&self.inodes).unbind(parent, name);
+        Ok(())
+    }
+
+    pub async fn unlink(&self, parent: u64, name: &str) -> FsResult<()> {
+        self.writable()?;
+        check_name(name)?;
+        let p = self.dir_inode(parent)?;
+        let known = lock(&self.inodes).child(parent, name).cloned();
+        let child = match known {
+            Some(c) => c,
+            None => self.resolve(parent, name).await?,
+        };
+        if child.kind == Kind::Dir {
+            return Err(FsError::IsDir);
+        }
+        // An empty file's PUT that has not been sent is dropped: nothing reaches S3. One
+        // that is under way is followed by the DELETE (even if it fails: it may have landed
+        // all the same), without waiting for it here.
+        if !self.cancel_put(child.ino) {
+            let put = lock(&self.pending).get(&child.ino).map(|p| p.done.clone());
+            if let Some(put) = put {
+                let key = format!("{}{}", p.key, name);
+                let put_done = async move { drop(put.lock().await) };
+                self.deletes.delete_after(&key, put_done).await?;
+                lock(&self.inodes).unbind(parent, name);
+                return Ok(());
+            }
+        }
+        let child = lock(&self.inodes)
+            .child(parent, name)
+            .cloned()
+            .ok_or(FsError::NotFound)?;
+        if let Some(writer) = child.writer {
+            // Abandon the upload so closing the file does not bring it back.
+            if let Ok(file) = self.file_handle(writer) {
+                let mut f = file.lock().await;
+                if let FileState::Write(up) = &mut f.state {
+                    up.abort().await;
+                }
+                f.state = FileState::Discarded;
+            }
+            if let Some(i) = lock(&self.inodes).get_mut(child.ino) {
+                i.writer = None;
+                i.local_only = false;
+            }
+        }
+        if !child.local_only {
+            self.client
+                .delete_object(&format!("{}{}", p.key, name))
+                .await?;
+        }
+        lock(&self.inodes).unbind(parent, name);
+        Ok(())
+    }
+
+    pub async fn rename(
+        &self,
+        parent: u64,
+        name: &str,
+        new_parent: u64,
+        new_name: &str,
+        no_replace: bool,
+    ) -> FsResult<()> {
+        self.writable()?;
+        check_name(name)?;
+        check_name(new_name)?;
+        let src_dir = self.dir_inode(parent)?;
+        let dst_dir = self.dir_inode(new_parent)?;
+        let src = self.resolve(parent, name).await?;
+        if src.kind == Kind::File {
+            // An empty file's PUT must be done before it can be copied, or deleted.
+            self.await_pending(src.ino).await?;
+        }
+        if src.kind == Kind::Dir {
+            tracing::info!(key = %src.key, "directory rename refused with EXDEV; mv copies instead");
+            return Err(FsError::CrossDevice);
+        }
+        if src.writer.is_some() {
+            return Err(FsError::Busy(
+                "rename of a file that is still being written",
+            ));
+        }
+        let dst_key = format!("{}{}", dst_dir.key, new_name);
+        if dst_key.len() > MAX_KEY_LEN {
+            return Err(FsError::NameTooLong);
+        }
+        match self.resolve(new_parent, new_name).await {
+            Ok(a) => {
+                // The copy must land after the target's own empty PUT, if one is under way.
+                let _ = self.await_pending(a.ino).await;
+                if no_replace {
+                    return Err(FsError::Exists);
+                }
+                if a.kind == Kind::Dir {
+                    return Err(FsError::IsDir);
+                }
+                let busy = lock(&self.inodes)
+                    .get(a.ino)
+                    .is_some_and(|i| i.writer.is_some());
+                if busy {
+                    return Err(FsError::Busy("rename onto a file that is being written"));
+                }
+            }
+            Err(FsError::NotFound) => {}
+            Err(e) => return Err(e),
+        }
+        let src_key = format!("{}{}", src_dir.key, name);
+        if src_key != dst_key {
+            self.client
+                .copy_object(&src_key, &dst_key, src.size)
+                .await?;
+            self.client.delete_object(&src_key).await?;
+        }
+        let mut t = lock(&self.inodes);
+        t.rebind(src.ino, new_parent, new_name);
+        if let Some(i) = t.get_mut(src.ino) {
+            i.validated = Some(Instant::now());
+        }
+        Ok(())
+    }
+}

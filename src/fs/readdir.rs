@@ -1,0 +1,187 @@
+//! Directory streams: LIST pages turned into entries, merged with names only this mount
+//! knows yet, buffered so that a full reply buffer loses nothing.
+
+use super::*;
+
+pub(super) struct DirStream {
+    pub(super) ino: u64,
+    pub(super) key: String,
+    pub(super) parent: u64,
+    pub(super) buffered: VecDeque<DirEntry>,
+    pub(super) next_offset: u64,
+    pub(super) token: Option<String>,
+    pub(super) started: bool,
+    pub(super) listed_all: bool,
+    /// When this listing pass began, and the table's forgotten-name count then.
+    pub(super) pass_start: Option<(Instant, u64)>,
+    pub(super) local_names: HashSet<String>,
+}
+
+/// A listing name is shown only if it is a valid single path component.
+pub(super) fn visible_name(name: &str) -> bool {
+    check_name(name).is_ok()
+}
+
+/// One child as a LIST page shows it.
+pub(super) struct ListedEntry {
+    pub(super) kind: Kind,
+    pub(super) name: String,
+    pub(super) size: u64,
+    pub(super) mtime: SystemTime,
+    pub(super) etag: Option<String>,
+}
+
+/// The children one LIST page of `dir_key` shows, sorted by name: common prefixes are
+/// directories, a file with the same name as a directory is hidden by it, the directory's
+/// own marker and names that are not a single valid path component are skipped.
+pub(super) fn page_entries(
+    dir_key: &str,
+    page: &ListPage,
+    dir_mtime: SystemTime,
+) -> Vec<ListedEntry> {
+    let dir_names: HashSet<&str> = page
+        .prefixes
+        .iter()
+        .filter_map(|p| p.strip_prefix(dir_key))
+        .map(|p| p.trim_end_matches('/'))
+        .collect();
+    let dirs = dir_names.iter().map(|name| ListedEntry {
+        kind: Kind::Dir,
+        name: name.to_string(),
+        size: 0,
+        mtime: dir_mtime,
+        etag: None,
+    });
+    let files = page.objects.iter().filter_map(|o| {
+        let name = o.key.strip_prefix(dir_key)?;
+        (!dir_names.contains(name)).then(|| ListedEntry {
+            kind: Kind::File,
+            name: name.to_string(),
+            size: o.meta.size,
+            mtime: o.meta.mtime,
+            etag: o.meta.etag.clone(),
+        })
+    });
+    let mut entries: Vec<ListedEntry> = dirs
+        .chain(files)
+        .filter(|e| visible_name(&e.name))
+        .collect();
+    entries.sort_by(|a, b| a.name.cmp(&b.name));
+    entries
+}
+
+impl S3Fs {
+    pub async fn opendir(&self, ino: u64) -> FsResult<u64> {
+        let d = self.dir_inode(ino)?;
+        Ok(
+            self.new_fh(Handle::Dir(Arc::new(tokio::sync::Mutex::new(DirStream {
+                ino,
+                key: d.key,
+                parent: d.parent,
+                buffered: VecDeque::new(),
+                next_offset: 1,
+                token: None,
+                started: false,
+                listed_all: false,
+                pass_start: None,
+                local_names: HashSet::new(),
+            })))),
+        )
+    }
+
+    pub fn releasedir(&self, fh: u64) {
+        lock(&self.handles).remove(&fh);
+    }
+
+    /// Entries after `offset`. Entries stay buffered until the kernel asks for an offset
+    /// past them, so a reply buffer that fills up loses nothing. Memory is bounded by one
+    /// LIST page per open directory.
+    pub async fn readdir(&self, fh: u64, offset: u64) -> FsResult<Vec<DirEntry>> {
+        let Some(Handle::Dir(stream)) = self.handle(fh) else {
+            return Err(FsError::BadHandle);
+        };
+        let mut d = stream.lock().await;
+        let behind = d.buffered.front().is_some_and(|e| offset + 1 < e.offset)
+            || (d.buffered.is_empty() && offset + 1 < d.next_offset);
+        if (offset == 0 && d.started) || behind {
+            // rewinddir or a seek backwards: start the listing over.
+            d.buffered.clear();
+            d.next_offset = 1;
+            d.token = None;
+            d.started = false;
+            d.listed_all = false;
+            d.pass_start = None;
+            d.local_names.clear();
+        }
+        loop {
+            while d.buffered.front().is_some_and(|e| e.offset <= offset) {
+                d.buffered.pop_front();
+            }
+            if !d.buffered.is_empty() || d.listed_all {
+                break;
+            }
+            self.fill(&mut d).await?;
+        }
+        Ok(d.buffered.iter().cloned().collect())
+    }
+
+    pub(super) async fn fill(&self, d: &mut DirStream) -> FsResult<()> {
+        let push = |d: &mut DirStream, ino: u64, kind: Kind, name: String| {
+            let offset = d.next_offset;
+            d.next_offset += 1;
+            d.buffered.push_back(DirEntry {
+                ino,
+                offset,
+                kind,
+                name,
+            });
+        };
+        if !d.started {
+            d.started = true;
+            d.pass_start = Some((Instant::now(), lock(&self.inodes).forgotten_names));
+            let (ino, parent) = (d.ino, d.parent);
+            push(d, ino, Kind::Dir, ".".into());
+            push(d, parent, Kind::Dir, "..".into());
+            // Files created here and not uploaded yet: S3 cannot list them.
+            let locals: Vec<(u64, Kind, String)> = lock(&self.inodes)
+                .children_of(ino)
+                .filter(|c| c.local_only)
+                .map(|c| (c.ino, c.kind, c.name.clone()))
+                .collect();
+            for (ino, kind, name) in locals {
+                d.local_names.insert(name.clone());
+                push(d, ino, kind, name);
+            }
+            return Ok(());
+        }
+        let page = self
+            .client
+            .list(ListRequest {
+                prefix: &d.key,
+                delimiter: Some("/"),
+                continuation: d.token.as_deref(),
+                max_keys: LIST_PAGE,
+            })
+            .await?;
+        let mut entries = page_entries(&d.key, &page, self.mount_time);
+        entries.retain(|e| !d.local_names.contains(&e.name));
+        let mut t = lock(&self.inodes);
+        for e in entries {
+            let ino = t.upsert(d.ino, &e.name, e.kind, e.size, e.mtime, e.etag);
+            if ino != 0 {
+                push(d, ino, e.kind, e.name);
+            }
+        }
+        d.token = page.next_token;
+        d.listed_all = d.token.is_none();
+        if let (true, Some((started, forgotten))) = (d.listed_all, d.pass_start) {
+            // Every child is in the table now, unless some were dropped meanwhile.
+            if forgotten == t.forgotten_names {
+                if let Some(dir) = t.get_mut(d.ino) {
+                    dir.complete_as_of = Some(started);
+                }
+            }
+        }
+        Ok(())
+    }
+}

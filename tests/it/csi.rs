@@ -1,0 +1,826 @@
+//! The CSI driver over its unix socket, called with the generated tonic clients exactly as
+//! kubelet and the external-provisioner call it, against the moto S3 server and real FUSE
+//! mounts made by real `s3csi mount` children.
+
+use crate::common;
+
+use common::node_service::{mount_cap, publish_req, read, rw, CsiServer, Mode, Options};
+use common::{is_mountpoint, new_bucket, scratch_dir, ACCESS_KEY, SECRET_KEY};
+use s3csi::csi::pb::{self, volume_capability as vc};
+use s3csi::s3::aws::AwsClient;
+use s3csi::s3::{ListRequest, ObjectClient};
+use std::collections::HashMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use tonic::Code;
+
+/// Options for a server in `dir`, its log named after the test process.
+fn csi_in(dir: PathBuf, mode: Mode) -> Options {
+    CsiServer::options(dir)
+        .mode(mode)
+        .log_name(&format!("server-{}.log", std::process::id()))
+}
+
+/// A server in a fresh scratch dir with the test process's environment (static test keys
+/// in AWS_*).
+fn start(mode: Mode) -> CsiServer {
+    csi_in(scratch_dir("csi"), mode).start()
+}
+
+fn unpublish_req(volume_id: &str, target: &Path) -> pb::NodeUnpublishVolumeRequest {
+    pb::NodeUnpublishVolumeRequest {
+        volume_id: volume_id.to_string(),
+        target_path: target.to_string_lossy().to_string(),
+    }
+}
+
+async fn s3_client(bucket: &str) -> AwsClient {
+    common::set_test_env();
+    AwsClient::new(bucket, &common::endpoint()).await
+}
+
+/// Waits until `key` exists in S3 (uploads may finish just after close).
+async fn wait_for_key(client: &AwsClient, key: &str) -> bytes::Bytes {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Ok(meta) = client.head_object(key).await {
+            return client.get_range(key, 0, meta.size).await.unwrap();
+        }
+        assert!(Instant::now() < deadline, "{key} never appeared in S3");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn keys(client: &AwsClient, prefix: &str) -> Vec<String> {
+    let page = client
+        .list(ListRequest {
+            prefix,
+            delimiter: None,
+            continuation: None,
+            max_keys: 1000,
+        })
+        .await
+        .unwrap();
+    page.objects.into_iter().map(|o| o.key).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn identity_and_node_info() {
+    let server = start(Mode::All);
+    let mut id = server.identity().await;
+    let info = id
+        .get_plugin_info(pb::GetPluginInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.name, "s3csi.dev");
+    assert_eq!(info.vendor_version, env!("CARGO_PKG_VERSION"));
+    let caps = id
+        .get_plugin_capabilities(pb::GetPluginCapabilitiesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(caps.capabilities.len(), 1, "{caps:?}");
+    let probe = id.probe(pb::ProbeRequest {}).await.unwrap().into_inner();
+    assert_eq!(probe.ready, Some(true));
+
+    let mut node = server.node().await;
+    let info = node
+        .node_get_info(pb::NodeGetInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.node_id, "test-node");
+    let caps = node
+        .node_get_capabilities(pb::NodeGetCapabilitiesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    use pb::node_service_capability::{rpc::Type, Type as Cap};
+    let mut types: Vec<i32> = caps
+        .capabilities
+        .iter()
+        .filter_map(|c| match &c.r#type {
+            Some(Cap::Rpc(r)) => Some(r.r#type),
+            _ => None,
+        })
+        .collect();
+    types.sort();
+    assert_eq!(
+        types,
+        vec![
+            Type::GetVolumeStats as i32,
+            Type::VolumeCondition as i32,
+            Type::VolumeMountGroup as i32
+        ]
+    );
+    let mut ctl = server.controller().await;
+    let caps = ctl
+        .controller_get_capabilities(pb::ControllerGetCapabilitiesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(caps.capabilities.len(), 1);
+    // Unimplemented RPCs say so.
+    let err = ctl
+        .list_volumes(pb::ListVolumesRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unimplemented);
+
+    // The socket is private.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(server.socket())
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o777;
+    assert_eq!(mode, 0o600);
+
+    // A node-only server does not claim the controller service, nor serve it.
+    let node_only = start(Mode::Node);
+    let mut id = node_only.identity().await;
+    let caps = id
+        .get_plugin_capabilities(pb::GetPluginCapabilitiesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(caps.capabilities.is_empty());
+    let mut ctl = node_only.controller().await;
+    let err = ctl
+        .controller_get_capabilities(pb::ControllerGetCapabilitiesRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unimplemented);
+}
+
+/// One gRPC call as the kubelet of Kubernetes 1.20 (grpc-go 1.27) and grpc-python make it
+/// over a unix socket: HTTP/2 by hand, with the socket path as `:authority`. Returns the
+/// response's DATA payload, or panics with what the server did instead.
+fn raw_grpc_call(socket: &Path, path: &str, authority: &str, message: &[u8]) -> Vec<u8> {
+    use std::io::{Read, Write};
+    fn int(out: &mut Vec<u8>, prefix_bits: u8, mut n: usize) {
+        let max = (1usize << prefix_bits) - 1;
+        if n < max {
+            out.push(n as u8);
+            return;
+        }
+        out.push(max as u8);
+        n -= max;
+        while n >= 128 {
+            out.push((n % 128 + 128) as u8);
+            n /= 128;
+        }
+        out.push(n as u8);
+    }
+    // HPACK "literal header field without indexing, new name", no Huffman coding.
+    fn header(out: &mut Vec<u8>, name: &str, value: &str) {
+        out.push(0);
+        int(out, 7, name.len());
+        out.extend_from_slice(name.as_bytes());
+        int(out, 7, value.len());
+        out.extend_from_slice(value.as_bytes());
+    }
+    fn frame(out: &mut Vec<u8>, kind: u8, flags: u8, stream: u32, payload: &[u8]) {
+        out.extend_from_slice(&(payload.len() as u32).to_be_bytes()[1..]);
+        out.extend_from_slice(&[kind, flags]);
+        out.extend_from_slice(&stream.to_be_bytes());
+        out.extend_from_slice(payload);
+    }
+    let mut block = Vec::new();
+    for (n, v) in [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", path),
+        (":authority", authority),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ] {
+        header(&mut block, n, v);
+    }
+    let mut body = vec![0u8];
+    body.extend_from_slice(&(message.len() as u32).to_be_bytes());
+    body.extend_from_slice(message);
+    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    frame(&mut out, 0x4, 0, 0, &[]); // SETTINGS
+    frame(&mut out, 0x1, 0x4, 1, &block); // HEADERS, END_HEADERS
+    frame(&mut out, 0x0, 0x1, 1, &body); // DATA, END_STREAM
+    let mut sock = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    sock.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    sock.write_all(&out).unwrap();
+    let mut data = Vec::new();
+    loop {
+        let mut head = [0u8; 9];
+        sock.read_exact(&mut head)
+            .expect("connection closed before an answer");
+        let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+        let (kind, flags) = (head[3], head[4]);
+        let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+        let mut payload = vec![0u8; len];
+        sock.read_exact(&mut payload).unwrap();
+        match (kind, stream) {
+            (0x4, 0) if flags & 1 == 0 => {
+                let mut ack = Vec::new();
+                frame(&mut ack, 0x4, 0x1, 0, &[]);
+                sock.write_all(&ack).unwrap();
+            }
+            (0x3, 1) => panic!("the server reset the call: error code {payload:?}"),
+            (0x7, _) => panic!("the server closed the connection (GOAWAY {payload:?})"),
+            (0x0, 1) => data.extend_from_slice(&payload),
+            (0x1, 1) if flags & 0x1 != 0 => return data, // trailers end the call
+            _ => {}
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_send_the_socket_path_as_authority_are_answered() {
+    let server = start(Mode::Node);
+    let socket = server.socket().to_path_buf();
+    let authority = socket.to_string_lossy().to_string();
+    let answer = tokio::task::spawn_blocking(move || {
+        raw_grpc_call(&socket, "/csi.v1.Identity/GetPluginInfo", &authority, &[])
+    })
+    .await
+    .unwrap();
+    assert!(answer.len() > 5, "no response message: {answer:?}");
+    let info = <pb::GetPluginInfoResponse as prost::Message>::decode(&answer[5..]).unwrap();
+    assert_eq!(info.name, "s3csi.dev");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_write_stats_unpublish() {
+    let server = start(Mode::Node);
+    let bucket = new_bucket("csi-pub");
+    let other = new_bucket("csi-other");
+    let mut node = server.node().await;
+    let target = server.target("pod1");
+
+    node.node_publish_volume(publish_req(&bucket, &target))
+        .await
+        .unwrap();
+    assert!(is_mountpoint(&target));
+    std::fs::write(target.join("hello.txt"), b"hello through csi").unwrap();
+    let client = s3_client(&bucket).await;
+    assert_eq!(
+        &wait_for_key(&client, "hello.txt").await[..],
+        b"hello through csi"
+    );
+
+    // Idempotent: the same volume on the same target again.
+    node.node_publish_volume(publish_req(&bucket, &target))
+        .await
+        .unwrap();
+    // A different volume on a mounted target.
+    let err = node
+        .node_publish_volume(publish_req(&other, &target))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::AlreadyExists, "{err:?}");
+
+    let stats = node
+        .node_get_volume_stats(pb::NodeGetVolumeStatsRequest {
+            volume_id: bucket.clone(),
+            volume_path: target.to_string_lossy().to_string(),
+            staging_target_path: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let cond = stats.volume_condition.unwrap();
+    assert!(!cond.abnormal, "{cond:?}");
+    assert_eq!(stats.usage.len(), 2);
+
+    node.node_unpublish_volume(unpublish_req(&bucket, &target))
+        .await
+        .unwrap();
+    assert!(!is_mountpoint(&target));
+    assert!(!target.exists(), "target dir must be removed");
+    assert!(server.mounter_pids().is_empty());
+    node.node_unpublish_volume(unpublish_req(&bucket, &target))
+        .await
+        .unwrap();
+    // Stats of a volume that is not published here.
+    let err = node
+        .node_get_volume_stats(pb::NodeGetVolumeStatsRequest {
+            volume_id: bucket.clone(),
+            volume_path: target.to_string_lossy().to_string(),
+            staging_target_path: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readonly_and_fs_group() {
+    let server = start(Mode::Node);
+    let bucket = new_bucket("csi-ro");
+    let client = s3_client(&bucket).await;
+    client
+        .put_object("data.txt", bytes::Bytes::from_static(b"seed"))
+        .await
+        .unwrap();
+    let mut node = server.node().await;
+
+    let ro = server.target("ro");
+    let mut req = publish_req(&bucket, &ro);
+    req.readonly = true;
+    node.node_publish_volume(req).await.unwrap();
+    assert_eq!(std::fs::read(ro.join("data.txt")).unwrap(), b"seed");
+    assert!(std::fs::write(ro.join("new.txt"), b"x").is_err());
+    node.node_unpublish_volume(unpublish_req(&bucket, &ro))
+        .await
+        .unwrap();
+
+    let grp = server.target("grp");
+    let mut req = publish_req(&bucket, &grp);
+    req.volume_capability = Some(mount_cap(
+        &["metadata-ttl=0s"],
+        vc::access_mode::Mode::SingleNodeWriter,
+        "4321",
+    ));
+    node.node_publish_volume(req).await.unwrap();
+    let meta = std::fs::metadata(grp.join("data.txt")).unwrap();
+    assert_eq!(meta.gid(), 4321);
+    assert_eq!(meta.mode() & 0o777, 0o664);
+    let root = std::fs::metadata(&grp).unwrap();
+    assert_eq!(root.gid(), 4321);
+    assert_eq!(root.mode() & 0o777, 0o775);
+    node.node_unpublish_volume(unpublish_req(&bucket, &grp))
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn static_credentials_from_secrets_only_by_environment() {
+    // The server has no AWS credentials at all: only the Secret can make the mount work.
+    let server = csi_in(scratch_dir("csi"), Mode::Node)
+        .bare_env()
+        .env("RUST_LOG", "debug")
+        .start();
+    let bucket = new_bucket("csi-sec");
+    let mut node = server.node().await;
+    let target = server.target("sec");
+
+    let err = node
+        .node_publish_volume(publish_req(&bucket, &target))
+        .await
+        .unwrap_err();
+    assert_ne!(err.code(), Code::Ok, "without credentials: {err:?}");
+    assert!(!is_mountpoint(&target));
+
+    let mut req = publish_req(&bucket, &target);
+    req.secrets = HashMap::from([
+        ("accessKeyId".to_string(), ACCESS_KEY.to_string()),
+        ("secretAccessKey".to_string(), SECRET_KEY.to_string()),
+    ]);
+    node.node_publish_volume(req).await.unwrap();
+    std::fs::write(target.join("s.txt"), b"secret-backed").unwrap();
+    let client = s3_client(&bucket).await;
+    assert_eq!(&wait_for_key(&client, "s.txt").await[..], b"secret-backed");
+
+    let pids = server.mounter_pids();
+    assert_eq!(pids.len(), 1);
+    let cmdline = std::fs::read(format!("/proc/{}/cmdline", pids[0])).unwrap();
+    let cmdline = String::from_utf8_lossy(&cmdline);
+    assert!(
+        cmdline.contains("mount") && cmdline.contains("--foreground"),
+        "{cmdline}"
+    );
+    assert!(
+        !cmdline.contains(SECRET_KEY) && !cmdline.contains(ACCESS_KEY),
+        "{cmdline}"
+    );
+    let environ = std::fs::read(format!("/proc/{}/environ", pids[0])).unwrap();
+    assert!(String::from_utf8_lossy(&environ).contains(SECRET_KEY));
+
+    node.node_unpublish_volume(unpublish_req(&bucket, &target))
+        .await
+        .unwrap();
+    // Never in any log, even at debug level.
+    let mut logs = server.log_text();
+    for e in std::fs::read_dir(server.dir().join("state").join("logs"))
+        .unwrap()
+        .flatten()
+    {
+        logs.push_str(&read(&e.path()));
+    }
+    assert!(
+        logs.contains("NodePublishVolume"),
+        "debug request log missing"
+    );
+    assert!(!logs.contains(SECRET_KEY), "secret leaked into logs");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_mounter_is_replaced_then_unpublishes() {
+    let server = start(Mode::Node);
+    let bucket = new_bucket("csi-kill");
+    let mut node = server.node().await;
+    let target = server.target("k");
+    node.node_publish_volume(publish_req(&bucket, &target))
+        .await
+        .unwrap();
+    let pids = server.mounter_pids();
+    assert_eq!(pids.len(), 1);
+    unsafe {
+        libc::kill(pids[0] as i32, libc::SIGKILL);
+    }
+    let stats_req = pb::NodeGetVolumeStatsRequest {
+        volume_id: bucket.clone(),
+        volume_path: target.to_string_lossy().to_string(),
+        staging_target_path: String::new(),
+    };
+    // The node service replaces the mounter (tests/it/handoff.rs checks the details).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let cond = loop {
+        let stats = node
+            .node_get_volume_stats(stats_req.clone())
+            .await
+            .unwrap()
+            .into_inner();
+        let cond = stats.volume_condition.unwrap();
+        if (!cond.abnormal && cond.message.contains("replaced")) || Instant::now() > deadline {
+            break cond;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        !cond.abnormal && cond.message.contains("replaced 1 time"),
+        "{cond:?}"
+    );
+    assert!(is_mountpoint(&target));
+    // Republishing the same volume is a no-op.
+    node.node_publish_volume(publish_req(&bucket, &target))
+        .await
+        .unwrap();
+    let stats = node
+        .node_get_volume_stats(stats_req)
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!stats.volume_condition.unwrap().abnormal);
+    node.node_unpublish_volume(unpublish_req(&bucket, &target))
+        .await
+        .unwrap();
+    assert!(!is_mountpoint(&target) && !target.exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_service_restart_keeps_and_adopts_mounts() {
+    let dir = scratch_dir("csi-restart");
+    let mut first = csi_in(dir.clone(), Mode::Node).start();
+    let bucket = new_bucket("csi-restart");
+    let target = first.target("r");
+    first
+        .node()
+        .await
+        .node_publish_volume(publish_req(&bucket, &target))
+        .await
+        .unwrap();
+    std::fs::write(target.join("before.txt"), b"1").unwrap();
+    let pid = first.mounter_pids()[0];
+    first.kill9();
+    // The mount keeps serving without its node service.
+    std::fs::write(target.join("during.txt"), b"2").unwrap();
+    assert_eq!(std::fs::read(target.join("before.txt")).unwrap(), b"1");
+    let client = s3_client(&bucket).await;
+    wait_for_key(&client, "during.txt").await;
+
+    let second = csi_in(dir, Mode::Node).start();
+    let mut node = second.node().await;
+    // The adopted mount is known: same volume is OK, stats are healthy.
+    node.node_publish_volume(publish_req(&bucket, &target))
+        .await
+        .unwrap();
+    node.node_unpublish_volume(unpublish_req(&bucket, &target))
+        .await
+        .unwrap();
+    assert!(!is_mountpoint(&target));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Path::new(&format!("/proc/{pid}")).exists() {
+        let stat = read(Path::new(&format!("/proc/{pid}/stat")));
+        if stat.contains(") Z") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "adopted mounter {pid} still running"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(first);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_node_requests_are_rejected_with_the_right_code() {
+    let server = start(Mode::Node);
+    let bucket = new_bucket("csi-bad");
+    let mut node = server.node().await;
+    let target = server.target("bad");
+    let base = publish_req(&bucket, &target);
+    let block = pb::VolumeCapability {
+        access_type: Some(vc::AccessType::Block(vc::BlockVolume {})),
+        access_mode: Some(vc::AccessMode {
+            mode: vc::access_mode::Mode::SingleNodeWriter as i32,
+        }),
+    };
+    type Edit = Box<dyn Fn(&mut pb::NodePublishVolumeRequest)>;
+    let cases: Vec<(&str, Edit, Code, &str)> = vec![
+        (
+            "no volume id",
+            Box::new(|r| r.volume_id.clear()),
+            Code::InvalidArgument,
+            "volume_id",
+        ),
+        (
+            "no target",
+            Box::new(|r| r.target_path.clear()),
+            Code::InvalidArgument,
+            "target_path",
+        ),
+        (
+            "no capability",
+            Box::new(|r| r.volume_capability = None),
+            Code::InvalidArgument,
+            "volume_capability",
+        ),
+        (
+            "block",
+            Box::new(move |r| r.volume_capability = Some(block.clone())),
+            Code::InvalidArgument,
+            "block",
+        ),
+        (
+            "unknown access mode",
+            Box::new(|r| {
+                r.volume_capability = Some(mount_cap(&[], vc::access_mode::Mode::Unknown, ""))
+            }),
+            Code::InvalidArgument,
+            "access mode",
+        ),
+        (
+            "traversal",
+            Box::new(|r| r.target_path = format!("{}/../../etc/x", r.target_path)),
+            Code::InvalidArgument,
+            "..",
+        ),
+        (
+            "relative",
+            Box::new(|r| r.target_path = "pods/x/mount".into()),
+            Code::InvalidArgument,
+            "absolute",
+        ),
+        (
+            "unknown mount option",
+            Box::new(|r| {
+                r.volume_capability = Some(mount_cap(
+                    &["allow-other", "frobnicate=1"],
+                    vc::access_mode::Mode::SingleNodeWriter,
+                    "",
+                ))
+            }),
+            Code::InvalidArgument,
+            "frobnicate",
+        ),
+        (
+            "bad handle",
+            Box::new(|r| r.volume_id = "Not_A_Bucket!".into()),
+            Code::InvalidArgument,
+            "Not_A_Bucket",
+        ),
+        (
+            "unknown attribute",
+            Box::new(|r| {
+                r.volume_context.insert("endpointURL".into(), "x".into());
+            }),
+            Code::InvalidArgument,
+            "endpointURL",
+        ),
+        (
+            "half a secret",
+            Box::new(|r| {
+                r.secrets.insert("accessKeyId".into(), "AKIDHALF".into());
+            }),
+            Code::InvalidArgument,
+            "secretAccessKey",
+        ),
+        (
+            "missing bucket",
+            Box::new(|r| r.volume_id = "no-such-bucket-s3csi".into()),
+            Code::NotFound,
+            "does not exist",
+        ),
+    ];
+    for (name, edit, code, needle) in cases {
+        let mut req = base.clone();
+        edit(&mut req);
+        let err = node.node_publish_volume(req).await.unwrap_err();
+        assert_eq!(err.code(), code, "{name}: {err:?}");
+        assert!(
+            err.message().contains(needle),
+            "{name}: {:?}",
+            err.message()
+        );
+        assert!(!err.message().contains("AKIDHALF"), "{name}");
+        assert!(!is_mountpoint(&target), "{name}");
+    }
+    let err = node
+        .node_unpublish_volume(unpublish_req("", &target))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    let err = node
+        .node_unpublish_volume(unpublish_req(&bucket, Path::new("rel")))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_publishes_never_double_mount() {
+    let server = start(Mode::Node);
+    let bucket = new_bucket("csi-conc");
+    let target = server.target("c");
+    let mut tasks = vec![];
+    for _ in 0..10 {
+        let mut node = server.node().await;
+        let req = publish_req(&bucket, &target);
+        tasks.push(tokio::spawn(
+            async move { node.node_publish_volume(req).await },
+        ));
+    }
+    let mut ok = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(_) => ok += 1,
+            Err(e) => assert_eq!(e.code(), Code::Aborted, "{e:?}"),
+        }
+    }
+    assert!(ok >= 1);
+    let target_s = target.to_string_lossy().to_string();
+    let mounts = read(Path::new("/proc/self/mountinfo"))
+        .lines()
+        .filter(|l| l.split(' ').nth(4) == Some(target_s.as_str()))
+        .count();
+    assert_eq!(mounts, 1, "exactly one mount on the target");
+    assert_eq!(server.mounter_pids().len(), 1);
+    server
+        .node()
+        .await
+        .node_unpublish_volume(unpublish_req(&bucket, &target))
+        .await
+        .unwrap();
+    assert!(!is_mountpoint(&target));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn controller_lifecycle_create_publish_delete() {
+    let server = start(Mode::All);
+    let bucket = new_bucket("csi-ctl");
+    let mut ctl = server.controller().await;
+    let create = |name: &str, params: &[(&str, &str)]| pb::CreateVolumeRequest {
+        name: name.to_string(),
+        capacity_range: Some(pb::CapacityRange {
+            required_bytes: 5 << 30,
+            limit_bytes: 0,
+        }),
+        volume_capabilities: vec![rw()],
+        parameters: params
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        ..Default::default()
+    };
+    let params = [("bucket", bucket.as_str()), ("basePrefix", "k8s")];
+    let vol = ctl
+        .create_volume(create("pvc-123", &params))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert_eq!(vol.volume_id, format!("{bucket}/k8s/pvc-123"));
+    assert_eq!(vol.capacity_bytes, 5 << 30);
+    assert_eq!(vol.volume_context["prefix"], "k8s/pvc-123/");
+    let client = s3_client(&bucket).await;
+    assert!(client.head_object("k8s/pvc-123/").await.is_ok(), "marker");
+    // Idempotent on the name.
+    let again = ctl
+        .create_volume(create("pvc-123", &params))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert_eq!(again.volume_id, vol.volume_id);
+
+    // Publish it as kubelet would, with the context CreateVolume returned.
+    let mut node = server.node().await;
+    let target = server.target("ctl");
+    let mut req = publish_req(&vol.volume_id, &target);
+    req.volume_context = vol.volume_context.clone();
+    node.node_publish_volume(req).await.unwrap();
+    std::fs::create_dir(target.join("sub")).unwrap();
+    std::fs::write(target.join("sub/f.txt"), b"in the volume").unwrap();
+    assert_eq!(
+        &wait_for_key(&client, "k8s/pvc-123/sub/f.txt").await[..],
+        b"in the volume"
+    );
+    node.node_unpublish_volume(unpublish_req(&vol.volume_id, &target))
+        .await
+        .unwrap();
+
+    // Neighbours that must survive the delete.
+    for key in ["k8s/pvc-1234/keep.txt", "k8s/other.txt", "top.txt"] {
+        client
+            .put_object(key, bytes::Bytes::from_static(b"keep"))
+            .await
+            .unwrap();
+    }
+    for i in 0..25 {
+        client
+            .put_object(&format!("k8s/pvc-123/many/{i}"), bytes::Bytes::new())
+            .await
+            .unwrap();
+    }
+    let validate = ctl
+        .validate_volume_capabilities(pb::ValidateVolumeCapabilitiesRequest {
+            volume_id: vol.volume_id.clone(),
+            volume_capabilities: vec![rw()],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(validate.confirmed.is_some());
+
+    ctl.delete_volume(pb::DeleteVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        secrets: HashMap::new(),
+    })
+    .await
+    .unwrap();
+    assert!(keys(&client, "k8s/pvc-123/").await.is_empty());
+    let mut left = keys(&client, "").await;
+    left.sort();
+    assert_eq!(
+        left,
+        vec!["k8s/other.txt", "k8s/pvc-1234/keep.txt", "top.txt"]
+    );
+    // Idempotent.
+    ctl.delete_volume(pb::DeleteVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        secrets: HashMap::new(),
+    })
+    .await
+    .unwrap();
+
+    // Provisioner secrets are used for the S3 calls.
+    let with_secret = pb::CreateVolumeRequest {
+        secrets: HashMap::from([
+            ("accessKeyId".to_string(), ACCESS_KEY.to_string()),
+            ("secretAccessKey".to_string(), SECRET_KEY.to_string()),
+        ]),
+        ..create("pvc-sec", &params)
+    };
+    ctl.create_volume(with_secret).await.unwrap();
+    assert!(client.head_object("k8s/pvc-sec/").await.is_ok());
+
+    // Bad requests.
+    for (req, needle) in [
+        (create("", &params), "name"),
+        (create("pvc-x", &[("basePrefix", "k8s")]), "bucket"),
+        (
+            create("pvc-x", &[("bucket", bucket.as_str()), ("colour", "blue")]),
+            "colour",
+        ),
+        (
+            pb::CreateVolumeRequest {
+                volume_capabilities: vec![],
+                ..create("pvc-x", &params)
+            },
+            "volume_capabilities",
+        ),
+    ] {
+        let err = ctl.create_volume(req).await.unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+        assert!(err.message().contains(needle), "{:?}", err.message());
+    }
+    let err = ctl
+        .delete_volume(pb::DeleteVolumeRequest {
+            volume_id: bucket.clone(),
+            secrets: HashMap::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.code(),
+        Code::InvalidArgument,
+        "whole-bucket delete refused"
+    );
+    assert!(!server.log_text().contains(SECRET_KEY));
+}
