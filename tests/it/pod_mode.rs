@@ -448,10 +448,15 @@ fn pod_mode_mounter_pods_can_use_the_host_network() {
     drop(server);
 }
 
-/// Publishes a volume whose mounter Pod will not serve; returns the error and how long
-/// NodePublishVolume took to give it. Checks that nothing is left: no mount, no mounter
-/// Pod, no Secret, no credentials in the message.
-fn publish_fails(server: &CsiServer, kube: &FakeKube, leaf: &str) -> (tonic::Status, Duration) {
+/// Publishes a volume whose mounter Pod will not serve (`what`, for the printed figure);
+/// returns the error and how long NodePublishVolume took to give it. Checks that nothing is
+/// left: no mount, no mounter Pod, no Secret, no credentials in the message.
+fn publish_fails(
+    server: &CsiServer,
+    kube: &FakeKube,
+    leaf: &str,
+    what: &str,
+) -> (tonic::Status, Duration) {
     let target = server.target(leaf);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let mut node = rt.block_on(server.node());
@@ -460,6 +465,12 @@ fn publish_fails(server: &CsiServer, kube: &FakeKube, leaf: &str) -> (tonic::Sta
         .block_on(node.node_publish_volume(with_secrets(publish_req("pod-never-serves", &target))))
         .unwrap_err();
     let took = started.elapsed();
+    eprintln!(
+        "[pod mode] {what}: NodePublishVolume failed after {} ms: {:?} {}",
+        took.as_millis(),
+        err.code(),
+        err.message()
+    );
     assert!(!is_mountpoint(&target));
     let msg = err.message();
     assert!(!msg.contains(SECRET) && !msg.contains(KEY_ID), "{msg}");
@@ -485,6 +496,27 @@ fn publish_fails(server: &CsiServer, kube: &FakeKube, leaf: &str) -> (tonic::Sta
 }
 
 /// The Events list requests the node service made for Pod `name`.
+/// A publish whose mounter Pod is stuck (the scheduler or kubelet keeps retrying): it
+/// fails with Internal after the 10 s grace, well before the 60 s mount timeout, from what
+/// the node service read in the Pod's status and Events. Returns the message.
+fn fails_after_the_stuck_grace(
+    server: &CsiServer,
+    kube: &FakeKube,
+    leaf: &str,
+    what: &str,
+) -> String {
+    let (err, took) = publish_fails(server, kube, leaf, what);
+    assert_eq!(err.code(), tonic::Code::Internal, "{err:?}");
+    let msg = err.message().to_string();
+    assert!(msg.contains("did not start within 10s"), "{msg}");
+    assert!(
+        took >= Duration::from_secs(10) && took < Duration::from_secs(20),
+        "{took:?}"
+    );
+    assert!(event_reads(kube) > 0);
+    msg
+}
+
 fn event_reads(kube: &FakeKube) -> usize {
     kube.requests()
         .iter()
@@ -508,27 +540,12 @@ fn pod_mode_fails_fast_when_the_mounter_pod_cannot_be_scheduled() {
             "resources": {"requests": {"memory": "8180Mi"}}}]},
         "status": {"phase": "Running"}}));
     let server = start_node_service(&dir, &kube);
-    let (err, took) = publish_fails(&server, &kube, "u");
-    eprintln!(
-        "[pod mode] unschedulable mounter pod: NodePublishVolume failed after {} ms: {:?} {}",
-        took.as_millis(),
-        err.code(),
-        err.message()
-    );
-    let msg = err.message();
-    assert_eq!(err.code(), tonic::Code::Internal, "{err:?}");
+    let msg = fails_after_the_stuck_grace(&server, &kube, "u", "unschedulable mounter pod");
     assert!(
-        msg.contains("did not start within 10s")
-            && msg.contains("Unschedulable: 0/1 nodes are available: 1 Insufficient memory.")
+        msg.contains("Unschedulable: 0/1 nodes are available: 1 Insufficient memory.")
             && msg.contains("(condition PodScheduled)"),
         "{msg}"
     );
-    // After the grace, and well before the 60 s mount timeout.
-    assert!(
-        took >= Duration::from_secs(10) && took < Duration::from_secs(20),
-        "{took:?}"
-    );
-    assert!(event_reads(&kube) > 0);
     // The Pod's real reason is also in the scheduler's Events (still there, as in a real
     // cluster).
     assert!(kube
@@ -564,27 +581,13 @@ fn pod_mode_fails_fast_when_the_mounter_pod_gets_no_sandbox() {
                10.88.0.1-10.88.255.254";
     kube.break_sandboxes(Some(cni));
     let server = start_node_service(&dir, &kube);
-    let (err, took) = publish_fails(&server, &kube, "s");
-    eprintln!(
-        "[pod mode] mounter pod without a sandbox: NodePublishVolume failed after {} ms: {:?} {}",
-        took.as_millis(),
-        err.code(),
-        err.message()
-    );
-    let msg = err.message();
-    assert_eq!(err.code(), tonic::Code::Internal, "{err:?}");
+    let msg = fails_after_the_stuck_grace(&server, &kube, "s", "mounter pod without a sandbox");
     assert!(
-        msg.contains("did not start within 10s")
-            && msg.contains("FailedCreatePodSandBox: Failed to create pod sandbox: ")
+        msg.contains("FailedCreatePodSandBox: Failed to create pod sandbox: ")
             && msg.contains("no IP addresses available in range set")
             && msg.contains("Warning event from kubelet"),
         "{msg}"
     );
-    assert!(
-        took >= Duration::from_secs(10) && took < Duration::from_secs(20),
-        "{took:?}"
-    );
-    assert!(event_reads(&kube) > 0);
     drop(server);
 }
 
@@ -617,14 +620,8 @@ fn pod_mode_fails_fast_on_image_errors_and_times_out_with_the_last_reason() {
                 policy,
             ],
         );
-        let (err, took) = publish_fails(&server, &kube, leaf);
-        eprintln!(
-            "[pod mode] image {image} with imagePullPolicy {policy}: NodePublishVolume failed \
-             after {} ms: {:?} {}",
-            took.as_millis(),
-            err.code(),
-            err.message()
-        );
+        let what = format!("image {image} with imagePullPolicy {policy}");
+        let (err, took) = publish_fails(&server, &kube, leaf, &what);
         let msg = err.message();
         assert_eq!(err.code(), tonic::Code::Internal, "{err:?}");
         assert!(msg.contains("cannot run: "), "{msg}");
@@ -663,14 +660,8 @@ fn pod_mode_fails_fast_on_image_errors_and_times_out_with_the_last_reason() {
             "3",
         ],
     );
-    let (err, took) = publish_fails(&server, &kube, "stall");
-    eprintln!(
-        "[pod mode] image pull that never ends, --mount-timeout 3: NodePublishVolume failed \
-         after {} ms: {:?} {}",
-        took.as_millis(),
-        err.code(),
-        err.message()
-    );
+    let what = "image pull that never ends, --mount-timeout 3";
+    let (err, took) = publish_fails(&server, &kube, "stall", what);
     assert_eq!(err.code(), tonic::Code::DeadlineExceeded, "{err:?}");
     assert!(
         err.message().contains(&format!(
