@@ -1,5 +1,6 @@
 //! s3csi: an S3 file system (FUSE) and the Kubernetes CSI driver built around it.
 
+pub mod cmd;
 pub mod config;
 pub mod csi;
 pub mod demo;

@@ -14,7 +14,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Mount a bucket (or a prefix of it) on a directory.
-    Mount(s3csi::fs::session::MountArgs),
+    Mount(s3csi::config::MountArgs),
     /// Serve the Kubernetes CSI driver on a unix socket.
     Csi(s3csi::csi::CsiArgs),
     /// Try the driver end to end on this machine: embedded S3, CSI services, a mounted volume.
@@ -35,7 +35,7 @@ fn main() {
     }
     let cli = Cli::parse_from(args);
     let code = match cli.command {
-        Command::Mount(args) => s3csi::fs::session::run_mount_command(args),
+        Command::Mount(args) => s3csi::cmd::mount::run_mount_command(args),
         Command::Csi(args) => s3csi::csi::run(args),
         Command::Demo(args) => s3csi::demo::run(args),
         Command::S3Server(args) => s3csi::s3server::run_command(args),

@@ -2,7 +2,9 @@
 //! (later) CSI volume contexts are parsed here, once; the rest of the crate only sees
 //! these types.
 
+pub mod args;
 pub mod mount;
 pub mod volume;
 
+pub use args::MountArgs;
 pub use mount::{BucketSource, MountConfig, MountOptionError};

@@ -85,6 +85,28 @@ pub struct FsConfig {
     pub page_cache: bool,
 }
 
+impl From<&crate::config::MountConfig> for FsConfig {
+    fn from(cfg: &crate::config::MountConfig) -> Self {
+        FsConfig {
+            prefix: cfg.source.prefix.clone(),
+            uid: cfg.uid,
+            gid: cfg.gid,
+            file_mode: cfg.file_mode,
+            dir_mode: cfg.dir_mode,
+            metadata_ttl: cfg.metadata_ttl,
+            read_only: cfg.read_only,
+            part_size: cfg.part_size,
+            max_concurrency: cfg.max_concurrency,
+            max_prefetch_memory: cfg.max_prefetch_memory,
+            max_upload_memory: cfg.max_upload_memory,
+            sync_create: cfg.sync_create,
+            sync_delete: cfg.sync_delete,
+            page_cache: cfg.page_cache,
+            ..FsConfig::default()
+        }
+    }
+}
+
 impl Default for FsConfig {
     fn default() -> Self {
         Self {

@@ -23,7 +23,7 @@
 
 use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
 use std::io::{IoSlice, IoSliceMut};
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -33,10 +33,6 @@ pub const INIT_FILE: &str = "init.bin";
 /// The first mounter's answer to it: what the connection negotiated.
 pub const INIT_REPLY_FILE: &str = "init-reply.bin";
 pub const INODE_LOG: &str = "inodes.log";
-
-/// FUSE_NOTIFY_RESEND (Linux 6.9+): the kernel puts every request a dead daemon had read
-/// but not answered back in the queue, for the new daemon to answer.
-const FUSE_NOTIFY_RESEND: i32 = 7;
 
 pub fn control_socket(dir: &Path) -> PathBuf {
     dir.join(CONTROL_SOCKET)
@@ -189,18 +185,6 @@ pub fn kernel_mount(target: &Path, m: &KernelMount) -> std::io::Result<OwnedFd> 
     )
     .map_err(std::io::Error::from)?;
     Ok(fd)
-}
-
-/// Asks the kernel to send again every request that was read from this connection but
-/// never answered (the dead mounter's). Harmless when there are none; fails with EINVAL on
-/// kernels before 6.9.
-pub fn notify_resend(fd: impl AsFd) -> std::io::Result<()> {
-    let mut msg = [0u8; 16];
-    msg[0..4].copy_from_slice(&16u32.to_ne_bytes());
-    msg[4..8].copy_from_slice(&FUSE_NOTIFY_RESEND.to_ne_bytes());
-    // unique = 0 marks a notification.
-    nix::unistd::write(fd, &msg).map_err(std::io::Error::from)?;
-    Ok(())
 }
 
 #[cfg(test)]

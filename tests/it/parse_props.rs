@@ -197,7 +197,7 @@ fn random_option_lists_never_panic_and_accepted_ones_are_valid() {
 #[derive(Parser)]
 struct Cli {
     #[command(flatten)]
-    mount: s3csi::fs::session::MountArgs,
+    mount: s3csi::config::MountArgs,
 }
 
 #[test]

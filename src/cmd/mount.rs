@@ -1,0 +1,423 @@
+//! `s3csi mount`: parse options, check the bucket, mount, serve, and unmount cleanly.
+//!
+//! Like mount helpers, the command detaches into the background by default, but only
+//! once the mount is live: the parent waits on a pipe for the child to report either
+//! "mounted" or the one-line reason it could not mount, and exits 0 or 1 accordingly.
+//! With `--handoff-dir` it is the CSI node service's mounter instead: it never mounts,
+//! it serves the descriptor the node service hands over (see `mounter::handoff`).
+
+use crate::config::{MountArgs, MountConfig};
+use crate::fs::fuse::FuseAdapter;
+use crate::fs::session::{serve_descriptor, HandoffFiles};
+use crate::fs::{FsConfig, S3Fs};
+use crate::mounter::handoff;
+use crate::s3::aws::AwsClient;
+use crate::s3::{ListRequest, ObjectClient, S3Error};
+use std::io::{Read, Write};
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+fn check_mountpoint(path: &Path) -> Result<PathBuf, String> {
+    let canonical =
+        std::fs::canonicalize(path).map_err(|e| format!("mountpoint {}: {e}", path.display()))?;
+    if !canonical.is_dir() {
+        return Err(format!("mountpoint {} is not a directory", path.display()));
+    }
+    if crate::mounter::mountinfo::find(&canonical).is_some() {
+        return Err(format!("mountpoint {} is already mounted", path.display()));
+    }
+    Ok(canonical)
+}
+
+/// One clear line for the usual ways the first S3 request fails.
+fn describe_access_error(cfg: &MountConfig, e: &S3Error) -> String {
+    let bucket = &cfg.source.bucket;
+    match e {
+        S3Error::NoSuchBucket => format!("bucket {bucket:?} does not exist"),
+        S3Error::AccessDenied(detail) => format!(
+            "access to bucket {bucket:?} denied ({detail}); check the credentials from the AWS default chain"
+        ),
+        S3Error::Unreachable(detail) => format!(
+            "cannot reach S3 endpoint {}: {detail}",
+            cfg.endpoint.endpoint_url.as_deref().unwrap_or("(AWS default)")
+        ),
+        S3Error::Timeout => format!(
+            "S3 endpoint {} did not answer in time",
+            cfg.endpoint.endpoint_url.as_deref().unwrap_or("(AWS default)")
+        ),
+        other => format!("cannot access bucket {bucket:?}: {other}"),
+    }
+}
+
+async fn check_bucket(client: &AwsClient, cfg: &MountConfig) -> Result<(), String> {
+    let probe = client.list(ListRequest {
+        prefix: &cfg.source.prefix,
+        delimiter: Some("/"),
+        continuation: None,
+        max_keys: 1,
+    });
+    match tokio::time::timeout(Duration::from_secs(20), probe).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => Err(describe_access_error(cfg, &e)),
+        Err(_) => Err(describe_access_error(cfg, &S3Error::Timeout)),
+    }
+}
+
+/// Reports readiness to the waiting parent (when detached).
+struct Readiness(Option<std::fs::File>);
+
+impl Readiness {
+    fn report(&mut self, msg: &str) {
+        if let Some(mut f) = self.0.take() {
+            let _ = f.write_all(msg.as_bytes());
+        }
+    }
+}
+
+/// Forks; the parent waits for the child's verdict and exits with it.
+fn detach() -> Result<Readiness, String> {
+    let (read, write): (OwnedFd, OwnedFd) =
+        nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
+    // SAFETY: called before any thread exists (no runtime, no logger threads yet).
+    match unsafe { nix::unistd::fork() }.map_err(|e| format!("fork: {e}"))? {
+        nix::unistd::ForkResult::Parent { .. } => {
+            drop(write);
+            let mut msg = String::new();
+            let _ = std::fs::File::from(read).read_to_string(&mut msg);
+            if msg == "OK" {
+                std::process::exit(0);
+            }
+            let msg = if msg.is_empty() {
+                "the mount process exited before the mount was ready".to_string()
+            } else {
+                msg
+            };
+            eprintln!("s3csi: {msg}");
+            std::process::exit(1);
+        }
+        nix::unistd::ForkResult::Child => {
+            drop(read);
+            let _ = nix::unistd::setsid();
+            Ok(Readiness(Some(std::fs::File::from(write))))
+        }
+    }
+}
+
+fn redirect_stdio(log_file: Option<&Path>) {
+    let devnull = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/null");
+    if let Ok(null) = &devnull {
+        let _ = nix::unistd::dup2_stdin(null);
+        let _ = nix::unistd::dup2_stdout(null);
+    }
+    let err_target = match log_file {
+        Some(p) => std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(p),
+        None => devnull,
+    };
+    if let Ok(f) = err_target {
+        let _ = nix::unistd::dup2_stderr(&f);
+    }
+}
+
+/// Runs `s3csi mount`; returns the process exit code.
+pub fn run_mount_command(args: MountArgs) -> i32 {
+    let fail = |ready: &mut Readiness, msg: String| -> i32 {
+        tracing::error!("{msg}");
+        if ready.0.is_some() {
+            ready.report(&msg);
+        } else {
+            eprintln!("s3csi: {msg}");
+        }
+        1
+    };
+    let mut ready = Readiness(None);
+    let cfg = match args.to_config() {
+        Ok(c) => c,
+        Err(e) => {
+            if let Some(dir) = &args.handoff_dir {
+                record_failure(dir, &e.to_string());
+            }
+            return fail(&mut ready, e.to_string());
+        }
+    };
+    if let Some(dir) = args.handoff_dir.clone() {
+        return run_handoff(&args, &cfg, &dir);
+    }
+    let mountpoint = match check_mountpoint(&args.mountpoint) {
+        Ok(p) => p,
+        Err(e) => return fail(&mut ready, e),
+    };
+    if !args.foreground {
+        match detach() {
+            Ok(r) => ready = r,
+            Err(e) => return fail(&mut ready, e),
+        }
+        redirect_stdio(args.log_file.as_deref());
+    } else if let Some(p) = &args.log_file {
+        redirect_stdio(Some(p));
+        if let Ok(null) = std::fs::File::open("/dev/null") {
+            let _ = nix::unistd::dup2_stdin(&null);
+        }
+    }
+    crate::logging::init(if cfg.debug {
+        "s3csi=debug,info"
+    } else {
+        "info"
+    });
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("s3csi-io")
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => return fail(&mut ready, format!("cannot start runtime: {e}")),
+    };
+    let client = rt.block_on(AwsClient::new(&cfg.source.bucket, &cfg.endpoint));
+    if let Err(msg) = rt.block_on(check_bucket(&client, &cfg)) {
+        return fail(&mut ready, msg);
+    }
+    let fs = Arc::new(S3Fs::new(Arc::new(client), FsConfig::from(&cfg)));
+    let adapter = FuseAdapter::new(fs.clone(), rt.handle().clone());
+    let mut options = vec![
+        fuser::MountOption::FSName(format!("s3csi:{}", cfg.source.bucket)),
+        fuser::MountOption::Subtype("s3csi".into()),
+        fuser::MountOption::DefaultPermissions,
+        fuser::MountOption::NoDev,
+        fuser::MountOption::NoSuid,
+    ];
+    if cfg.read_only {
+        options.push(fuser::MountOption::RO);
+    }
+    let mut fuse_cfg = fuser::Config::default();
+    fuse_cfg.mount_options = options;
+    fuse_cfg.acl = if cfg.allow_other {
+        fuser::SessionACL::All
+    } else if cfg.allow_root {
+        fuser::SessionACL::RootAndOwner
+    } else {
+        fuser::SessionACL::Owner
+    };
+    let session = match fuser::Session::new(adapter, &mountpoint, &fuse_cfg) {
+        Ok(s) => s,
+        Err(e) => {
+            return fail(
+                &mut ready,
+                format!("cannot mount on {}: {e}", mountpoint.display()),
+            )
+        }
+    };
+    let background = match session.spawn() {
+        Ok(b) => b,
+        Err(e) => return fail(&mut ready, format!("cannot start the FUSE session: {e}")),
+    };
+    tracing::info!(
+        bucket = %cfg.source.bucket,
+        prefix = %cfg.source.prefix,
+        mountpoint = %mountpoint.display(),
+        "mounted"
+    );
+    ready.report("OK");
+    drop(ready);
+
+    let stop = rt.block_on(wait_for_stop(&background));
+    if let Some(signal) = stop {
+        tracing::info!(signal, "stopping: completing open uploads, then unmounting");
+        let failed = rt.block_on(fs.flush_all());
+        if failed > 0 {
+            tracing::error!(failed, "some uploads failed while stopping");
+        }
+        if let Err(e) = nix::mount::umount(&mountpoint) {
+            tracing::warn!(error = %e, "unmount failed (busy?); detaching lazily");
+            let _ = nix::mount::umount2(&mountpoint, nix::mount::MntFlags::MNT_DETACH);
+        }
+    }
+    // The session thread ends when the kernel closes the connection.
+    let _ = background.join();
+    tracing::info!("unmounted");
+    0
+}
+
+/// Waits for SIGTERM/SIGINT/SIGHUP (returns its name) or for the session to end because
+/// someone unmounted us (returns None).
+async fn wait_for_stop(background: &fuser::BackgroundSession) -> Option<&'static str> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (mut term, mut int, mut hup) = match (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::hangup()),
+    ) {
+        (Ok(a), Ok(b), Ok(c)) => (a, b, c),
+        _ => return None,
+    };
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    loop {
+        tokio::select! {
+            _ = term.recv() => return Some("SIGTERM"),
+            _ = int.recv() => return Some("SIGINT"),
+            _ = hup.recv() => return Some("SIGHUP"),
+            _ = tick.tick() => {
+                if background.guard.is_finished() {
+                    return None;
+                }
+            }
+        }
+    }
+}
+
+/// Leaves the reason we are giving up in the handoff directory: in pod mode our stderr
+/// belongs to the container runtime, and the node service reports this to kubelet.
+fn record_failure(dir: &Path, msg: &str) {
+    use crate::mounter::pod::LAST_ERROR_FILE;
+    if let Err(e) = std::fs::write(dir.join(LAST_ERROR_FILE), format!("{msg}\n")) {
+        tracing::warn!(error = %e, "cannot record the failure in the handoff directory");
+    }
+}
+
+/// `s3csi mount --handoff-dir DIR`: the CSI node service has mounted (or will mount) the
+/// target itself and hands us the /dev/fuse descriptor over `DIR/control.sock`; see
+/// `mounter::handoff`. We never mount or unmount; SIGTERM completes open uploads and exits,
+/// the node service unmounts.
+fn run_handoff(args: &MountArgs, cfg: &MountConfig, dir: &Path) -> i32 {
+    use std::os::unix::net::UnixListener;
+    if let Some(p) = &args.log_file {
+        redirect_stdio(Some(p));
+    }
+    if let Ok(null) = std::fs::File::open("/dev/null") {
+        let _ = nix::unistd::dup2_stdin(&null);
+    }
+    crate::logging::init(if cfg.debug {
+        "s3csi=debug,info"
+    } else {
+        "info"
+    });
+    let fail = |msg: String| -> i32 {
+        tracing::error!("{msg}");
+        eprintln!("s3csi: {msg}");
+        record_failure(dir, &msg);
+        1
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("s3csi-io")
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => return fail(format!("cannot start runtime: {e}")),
+    };
+    let client = rt.block_on(AwsClient::new(&cfg.source.bucket, &cfg.endpoint));
+    if !args.recover {
+        // A replacement serves even while S3 is unreachable: requests fail with EIO
+        // instead of hanging until S3 answers.
+        if let Err(msg) = rt.block_on(check_bucket(&client, cfg)) {
+            return fail(msg);
+        }
+    }
+    let sock = handoff::control_socket(dir);
+    let _ = std::fs::remove_file(&sock);
+    let listener = match UnixListener::bind(&sock) {
+        Ok(l) => l,
+        Err(e) => return fail(format!("cannot listen on {}: {e}", sock.display())),
+    };
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let _ = std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o600));
+    }
+    tracing::info!(socket = %sock.display(), recover = args.recover, "waiting for the FUSE descriptor");
+    // Wait for SERVE + descriptor.
+    let (conn, fuse_fd) = loop {
+        let conn = match listener.accept() {
+            Ok((c, _)) => c,
+            Err(e) => return fail(format!("control socket: {e}")),
+        };
+        let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
+        match handoff::recv(&conn) {
+            Ok((line, Some(fd))) if line == "SERVE" => break (conn, fd),
+            Ok((line, _)) if line == "PING" => {
+                let _ = handoff::send(&conn, &format!("OK pid={}", std::process::id()), None);
+            }
+            Ok((line, _)) => {
+                let _ = handoff::send(&conn, &format!("ERR not serving yet: {line:?}"), None);
+            }
+            Err(e) => tracing::warn!(error = %e, "control connection failed"),
+        }
+    };
+    let fs = Arc::new(S3Fs::new(Arc::new(client), FsConfig::from(cfg)));
+    // The kernel enforces access (allow_other or only root, set by the node service).
+    let acl = if cfg.allow_root && !cfg.allow_other {
+        fuser::SessionACL::RootAndOwner
+    } else {
+        fuser::SessionACL::All
+    };
+    let files = HandoffFiles {
+        init: dir.join(handoff::INIT_FILE),
+        init_reply: dir.join(handoff::INIT_REPLY_FILE),
+        inode_log: dir.join(handoff::INODE_LOG),
+    };
+    let background = match serve_descriptor(&fs, acl, &files, &fuse_fd, args.recover, &rt) {
+        Ok(b) => b,
+        Err(msg) => {
+            let _ = handoff::send(&conn, &format!("ERR {msg}"), None);
+            return fail(msg);
+        }
+    };
+    tracing::info!(
+        bucket = %cfg.source.bucket,
+        prefix = %cfg.source.prefix,
+        mountpoint = %args.mountpoint.display(),
+        recovered = args.recover,
+        "serving the FUSE descriptor handed over by the node service"
+    );
+    let _ = handoff::send(&conn, "OK", None);
+    drop(conn);
+    std::thread::Builder::new()
+        .name("s3csi-control".into())
+        .spawn(move || serve_control(listener, fuse_fd))
+        .ok();
+
+    let stop = rt.block_on(wait_for_stop(&background));
+    if let Some(signal) = stop {
+        tracing::info!(
+            signal,
+            "stopping: completing open uploads; the node service unmounts"
+        );
+        let failed = rt.block_on(fs.flush_all());
+        if failed > 0 {
+            tracing::error!(failed, "some uploads failed while stopping");
+        }
+        tracing::info!("stopped");
+        return 0;
+    }
+    let _ = background.join();
+    tracing::info!("unmounted");
+    0
+}
+
+/// Answers the node service on the control socket once serving: `FD` gets our descriptor.
+fn serve_control(listener: std::os::unix::net::UnixListener, fuse_fd: OwnedFd) {
+    use std::os::fd::AsRawFd;
+    for conn in listener.incoming() {
+        let Ok(conn) = conn else { continue };
+        let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
+        let _ = conn.set_write_timeout(Some(Duration::from_secs(5)));
+        match handoff::recv(&conn) {
+            Ok((line, _)) if line == "FD" => {
+                tracing::info!("handing our FUSE descriptor to the node service");
+                let _ = handoff::send(&conn, "OK", Some(fuse_fd.as_raw_fd()));
+            }
+            Ok((line, _)) if line == "PING" => {
+                let _ = handoff::send(&conn, &format!("OK pid={}", std::process::id()), None);
+            }
+            Ok((line, _)) => {
+                let _ = handoff::send(&conn, &format!("ERR unknown request {line:?}"), None);
+            }
+            Err(_) => {}
+        }
+    }
+}
