@@ -10,7 +10,8 @@ use crate::config::{MountArgs, MountConfig};
 use crate::fs::fuse::FuseAdapter;
 use crate::fs::session::{serve_descriptor, HandoffFiles};
 use crate::fs::{FsConfig, S3Fs};
-use crate::mounter::handoff;
+use crate::mounter::handoff::{self, Failure};
+use crate::mounter::FailureKind;
 use crate::s3::aws::AwsClient;
 use crate::s3::{ListRequest, ObjectClient, S3Error};
 use std::io::{Read, Write};
@@ -31,10 +32,16 @@ fn check_mountpoint(path: &Path) -> Result<PathBuf, String> {
     Ok(canonical)
 }
 
-/// One clear line for the usual ways the first S3 request fails.
-fn describe_access_error(cfg: &MountConfig, e: &S3Error) -> String {
+/// One clear line for the usual ways the first S3 request fails, and what kind of failure
+/// it is for the node service.
+fn describe_access_error(cfg: &MountConfig, e: &S3Error) -> Failure {
     let bucket = &cfg.source.bucket;
-    match e {
+    let kind = match e {
+        S3Error::NoSuchBucket => FailureKind::NotFound,
+        S3Error::AccessDenied(_) => FailureKind::PermissionDenied,
+        _ => FailureKind::Other,
+    };
+    let message = match e {
         S3Error::NoSuchBucket => format!("bucket {bucket:?} does not exist"),
         S3Error::AccessDenied(detail) => format!(
             "access to bucket {bucket:?} denied ({detail}); check the credentials from the AWS default chain"
@@ -48,10 +55,11 @@ fn describe_access_error(cfg: &MountConfig, e: &S3Error) -> String {
             cfg.endpoint.endpoint_url.as_deref().unwrap_or("(AWS default)")
         ),
         other => format!("cannot access bucket {bucket:?}: {other}"),
-    }
+    };
+    Failure::new(kind, message)
 }
 
-async fn check_bucket(client: &AwsClient, cfg: &MountConfig) -> Result<(), String> {
+async fn check_bucket(client: &AwsClient, cfg: &MountConfig) -> Result<(), Failure> {
     let probe = client.list(ListRequest {
         prefix: &cfg.source.prefix,
         delimiter: Some("/"),
@@ -142,7 +150,10 @@ pub fn run_mount_command(args: MountArgs) -> i32 {
         Ok(c) => c,
         Err(e) => {
             if let Some(dir) = &args.handoff_dir {
-                record_failure(dir, &e.to_string());
+                record_failure(
+                    dir,
+                    &Failure::new(FailureKind::InvalidArgument, e.to_string()),
+                );
             }
             return fail(&mut ready, e.to_string());
         }
@@ -180,8 +191,8 @@ pub fn run_mount_command(args: MountArgs) -> i32 {
         Err(e) => return fail(&mut ready, format!("cannot start runtime: {e}")),
     };
     let client = rt.block_on(AwsClient::new(&cfg.source.bucket, &cfg.endpoint));
-    if let Err(msg) = rt.block_on(check_bucket(&client, &cfg)) {
-        return fail(&mut ready, msg);
+    if let Err(failure) = rt.block_on(check_bucket(&client, &cfg)) {
+        return fail(&mut ready, failure.message);
     }
     let fs = Arc::new(S3Fs::new(Arc::new(client), FsConfig::from(&cfg)));
     let adapter = FuseAdapter::new(fs.clone(), rt.handle().clone());
@@ -273,9 +284,8 @@ async fn wait_for_stop(background: &fuser::BackgroundSession) -> Option<&'static
 
 /// Leaves the reason we are giving up in the handoff directory: in pod mode our stderr
 /// belongs to the container runtime, and the node service reports this to kubelet.
-fn record_failure(dir: &Path, msg: &str) {
-    use crate::mounter::pod::LAST_ERROR_FILE;
-    if let Err(e) = std::fs::write(dir.join(LAST_ERROR_FILE), format!("{msg}\n")) {
+fn record_failure(dir: &Path, failure: &Failure) {
+    if let Err(e) = handoff::record_failure(dir, failure) {
         tracing::warn!(error = %e, "cannot record the failure in the handoff directory");
     }
 }
@@ -297,12 +307,13 @@ fn run_handoff(args: &MountArgs, cfg: &MountConfig, dir: &Path) -> i32 {
     } else {
         "info"
     });
-    let fail = |msg: String| -> i32 {
+    let fail_as = |kind: FailureKind, msg: String| -> i32 {
         tracing::error!("{msg}");
         eprintln!("s3csi: {msg}");
-        record_failure(dir, &msg);
+        record_failure(dir, &Failure::new(kind, msg));
         1
     };
+    let fail = |msg: String| fail_as(FailureKind::Other, msg);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("s3csi-io")
@@ -315,8 +326,8 @@ fn run_handoff(args: &MountArgs, cfg: &MountConfig, dir: &Path) -> i32 {
     if !args.recover {
         // A replacement serves even while S3 is unreachable: requests fail with EIO
         // instead of hanging until S3 answers.
-        if let Err(msg) = rt.block_on(check_bucket(&client, cfg)) {
-            return fail(msg);
+        if let Err(failure) = rt.block_on(check_bucket(&client, cfg)) {
+            return fail_as(failure.kind, failure.message);
         }
     }
     let sock = handoff::control_socket(dir);
@@ -363,7 +374,8 @@ fn run_handoff(args: &MountArgs, cfg: &MountConfig, dir: &Path) -> i32 {
     let background = match serve_descriptor(&fs, acl, &files, &fuse_fd, args.recover, &rt) {
         Ok(b) => b,
         Err(msg) => {
-            let _ = handoff::send(&conn, &format!("ERR {msg}"), None);
+            let refusal = handoff::refusal(&Failure::new(FailureKind::Other, msg.clone()));
+            let _ = handoff::send(&conn, &refusal, None);
             return fail(msg);
         }
     };

@@ -17,7 +17,10 @@ pub mod node;
 pub mod pb;
 
 use crate::metrics::Metered;
-use crate::mounter::{ProcessMounter, Timeouts};
+use crate::mounter::backend::MounterBackend;
+use crate::mounter::kernel::RealKernel;
+use crate::mounter::process::ProcessBackend;
+use crate::mounter::{MountManager, Timeouts};
 use crate::s3::aws::Endpoint;
 use error::CsiError;
 use std::collections::HashSet;
@@ -232,29 +235,34 @@ pub async fn serve(
             .ok_or("--node-id is required for the node service")?;
         let bin =
             std::env::current_exe().map_err(|e| format!("cannot find our own binary: {e}"))?;
-        let mounter = ProcessMounter::new(
-            bin,
+        let state_error = |e: std::io::Error| {
+            format!(
+                "cannot use state directory {}: {e}",
+                args.state_dir.display()
+            )
+        };
+        let backend: Arc<dyn MounterBackend> = match args.mounter.pod_settings(&node_id)? {
+            Some(settings) => {
+                let namespace = settings.namespace.clone();
+                let pods = crate::mounter::pod::PodLauncher::connect(settings).await?;
+                tracing::info!(namespace, "mounters run as pods");
+                Arc::new(pods)
+            }
+            None => Arc::new(ProcessBackend::new(
+                bin,
+                MountManager::logs_dir(&args.state_dir).map_err(state_error)?,
+            )),
+        };
+        let mounter = MountManager::new(
+            Arc::new(RealKernel),
+            backend,
             args.state_dir.clone(),
             Timeouts {
                 mount: Duration::from_secs(args.mount_timeout.max(1)),
                 unmount: Duration::from_secs(args.unmount_timeout.max(1)),
             },
         )
-        .map_err(|e| {
-            format!(
-                "cannot use state directory {}: {e}",
-                args.state_dir.display()
-            )
-        })?;
-        let mounter = match args.mounter.pod_settings(&node_id)? {
-            Some(settings) => {
-                let namespace = settings.namespace.clone();
-                let pods = crate::mounter::pod::PodLauncher::connect(settings).await?;
-                tracing::info!(namespace, "mounters run as pods");
-                mounter.with_pods(pods)
-            }
-            None => mounter,
-        };
+        .map_err(state_error)?;
         let adopted = mounter.recover();
         if adopted > 0 {
             tracing::info!(adopted, "adopted mounts from a previous run");

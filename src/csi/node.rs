@@ -289,7 +289,7 @@ impl NodeService {
             }
             Err(e) => Ok(pb::NodeGetVolumeStatsResponse {
                 usage: vec![],
-                volume_condition: Some(condition(true, e)),
+                volume_condition: Some(condition(true, e.to_string())),
             }),
         }
     }

@@ -1,7 +1,7 @@
 //! Mount by descriptor: the node service mounts, the mounter only serves.
 //!
 //! The node service opens `/dev/fuse`, performs the kernel mount on the target itself
-//! ([`kernel_mount`]) and hands the descriptor to the mounter over the mounter's *control
+//! (`kernel::Kernel::mount_fuse`) and hands the descriptor to the mounter over the mounter's *control
 //! socket* (`HANDOFF_DIR/control.sock`, SCM_RIGHTS). It keeps a duplicate of that
 //! descriptor: while any copy is open the kernel keeps the FUSE connection, so a mounter
 //! that dies leaves requests waiting instead of failing with ENOTCONN, and a replacement
@@ -21,6 +21,7 @@
 //!   once per connection);
 //! - `inodes.log`: the mounter's inode bindings (`fs::inode_log`).
 
+use super::FailureKind;
 use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
 use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -131,60 +132,111 @@ pub fn collect_fd(dir: &Path, timeout: Duration) -> std::io::Result<OwnedFd> {
 }
 
 /// Hands `fd` to the mounter behind `dir` and waits until it serves (or refuses).
-pub fn serve_fd(dir: &Path, fd: RawFd, timeout: Duration) -> Result<(), String> {
-    let s = connect(dir, timeout).map_err(|e| format!("cannot reach the mounter: {e}"))?;
-    send(&s, "SERVE", Some(fd)).map_err(|e| format!("cannot hand over the descriptor: {e}"))?;
+pub fn serve_fd(dir: &Path, fd: RawFd, timeout: Duration) -> Result<(), Failure> {
+    let other =
+        |what: &str, e: std::io::Error| Failure::new(FailureKind::Other, format!("{what}: {e}"));
+    let s = connect(dir, timeout).map_err(|e| other("cannot reach the mounter", e))?;
+    send(&s, "SERVE", Some(fd)).map_err(|e| other("cannot hand over the descriptor", e))?;
     match recv(&s) {
         Ok((line, _)) if line == "OK" => Ok(()),
-        Ok((line, _)) => Err(line.strip_prefix("ERR ").unwrap_or(&line).to_string()),
-        Err(e) => Err(format!("the mounter did not confirm serving: {e}")),
+        Ok((line, _)) => Err(Failure::from_line(
+            line.strip_prefix("ERR ").unwrap_or(&line),
+        )),
+        Err(e) => Err(other("the mounter did not confirm serving", e)),
     }
 }
 
-/// How the node service mounts a volume.
-#[derive(Debug, Clone, Default)]
-pub struct KernelMount {
-    /// Shown as the mount's source, e.g. `s3csi:bucket`.
-    pub fsname: String,
-    pub read_only: bool,
-    /// `allow_other` in the kernel (the mount options allow-other or allow-root).
-    pub allow_other: bool,
+pub use super::kernel::KernelMount;
+
+/// Why a mounter gave up, as it tells the node service: in `FAILURE_FILE` when it stops
+/// before or while listening, and after `ERR ` on the control socket when it cannot serve
+/// a handed-over descriptor. Typed, so that the node service maps it to a gRPC status
+/// without reading the mounter's log.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize, thiserror::Error)]
+#[error("{message}")]
+pub struct Failure {
+    pub kind: FailureKind,
+    pub message: String,
 }
 
-/// Opens `/dev/fuse` and mounts a `fuse.s3csi` file system served through it on `target`.
-/// Needs CAP_SYS_ADMIN. The first request on the descriptor is the kernel's FUSE_INIT.
-pub fn kernel_mount(target: &Path, m: &KernelMount) -> std::io::Result<OwnedFd> {
-    use nix::mount::{mount, MsFlags};
-    let dev = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/fuse")?;
-    let fd: OwnedFd = dev.into();
-    let mut data = format!(
-        "fd={},rootmode=40000,user_id=0,group_id=0,default_permissions",
-        fd.as_raw_fd()
-    );
-    if m.allow_other {
-        data.push_str(",allow_other");
+impl Failure {
+    pub fn new(kind: FailureKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
     }
-    let mut flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
-    if m.read_only {
-        flags |= MsFlags::MS_RDONLY;
+
+    fn to_line(&self) -> String {
+        serde_json::to_string(self).unwrap_or_else(|_| self.message.clone())
     }
-    let fsname = if m.fsname.is_empty() {
-        "s3csi"
-    } else {
-        m.fsname.as_str()
-    };
-    mount(
-        Some(fsname),
-        target,
-        Some("fuse.s3csi"),
-        flags,
-        Some(data.as_str()),
-    )
-    .map_err(std::io::Error::from)?;
-    Ok(fd)
+
+    /// A record or an `ERR` line; the plain text of an older mounter is kept as it is.
+    fn from_line(line: &str) -> Self {
+        serde_json::from_str(line).unwrap_or_else(|_| Self::new(FailureKind::Other, line))
+    }
+}
+
+/// The file a mounter in handoff mode leaves its [`Failure`] in before it exits (in pod
+/// mode its stderr belongs to the container runtime).
+pub const FAILURE_FILE: &str = "last-error";
+
+/// Leaves `failure` in the handoff directory, whole or not at all.
+pub fn record_failure(dir: &Path, failure: &Failure) -> std::io::Result<()> {
+    let path = dir.join(FAILURE_FILE);
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, format!("{}\n", failure.to_line()))?;
+    std::fs::rename(&tmp, &path)
+}
+
+/// The failure a mounter left in its handoff directory, if any (read, not removed).
+pub fn read_failure(dir: &Path) -> Option<Failure> {
+    let text = std::fs::read_to_string(dir.join(FAILURE_FILE)).ok()?;
+    let line = text.trim();
+    (!line.is_empty()).then(|| Failure::from_line(line))
+}
+
+/// Removes a failure left by an earlier mounter of the same directory.
+pub fn clear_failure(dir: &Path) {
+    let _ = std::fs::remove_file(dir.join(FAILURE_FILE));
+}
+
+/// The `ERR` answer to SERVE.
+pub fn refusal(failure: &Failure) -> String {
+    format!("ERR {}", failure.to_line())
+}
+
+/// What the control socket of a mounter says about it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Answer {
+    /// It answered a PING.
+    Serving,
+    /// The socket file exists but nobody listens: the mounter process is gone.
+    Refused,
+    /// No socket yet: the mounter has not started listening.
+    Absent,
+    /// It did not answer in time (busy), or something else went wrong.
+    Unknown,
+}
+
+/// Asks the mounter behind `dir` whether it is there.
+pub fn ping(dir: &Path) -> Answer {
+    use std::io::ErrorKind;
+    match connect(dir, Duration::from_secs(2)) {
+        Ok(s) => {
+            let ok = send(&s, "PING", None)
+                .and_then(|_| recv(&s))
+                .is_ok_and(|(line, _)| line.starts_with("OK pid="));
+            if ok {
+                Answer::Serving
+            } else {
+                Answer::Unknown
+            }
+        }
+        Err(e) if e.kind() == ErrorKind::ConnectionRefused => Answer::Refused,
+        Err(e) if e.kind() == ErrorKind::NotFound => Answer::Absent,
+        Err(_) => Answer::Unknown,
+    }
 }
 
 #[cfg(test)]

@@ -27,20 +27,22 @@
 //! not started serving yet does the node service read its status and Events
 //! ([`PodLauncher::inspect`], [`super::pod_status`]), to tell why it does not start.
 
+use super::backend::{ExitFlag, MounterBackend, MounterHandle};
 use super::pod_status::{self, PodState};
-use super::{handoff, FailureKind, MountError, MountRequest};
+use super::state::MountRecord;
+use super::{blocking, handoff, mount_id, FailureKind, MountError, MountRequest, SUPERVISE_EVERY};
+use async_trait::async_trait;
 use k8s_openapi::api::core::v1::{Event, Node, Pod, ResourceRequirements, Secret};
 use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::{Api, Client};
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-/// The file a mounter in handoff mode writes its fatal error to before it exits (its
-/// stderr belongs to the container runtime in pod mode).
-pub const LAST_ERROR_FILE: &str = "last-error";
+use std::time::Instant;
 
 pub const LABEL_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
 pub const LABEL_NAME: &str = "app.kubernetes.io/name";
@@ -162,11 +164,7 @@ pub struct PodLauncher {
 const INSPECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Credentials that may be handed to a mounter, as environment variable names.
-const CREDENTIAL_KEYS: [&str; 3] = [
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-];
+use super::process::CREDENTIAL_KEYS;
 
 fn api_error(what: &str, e: kube::Error) -> MountError {
     let kind = match &e {
@@ -390,7 +388,6 @@ impl PodLauncher {
         recover: bool,
         generation: u32,
     ) -> Result<String, MountError> {
-        let _ = std::fs::remove_file(dir.join(LAST_ERROR_FILE));
         let name = Self::secret_name(mount);
         let existing = if recover {
             match self.secrets.get_opt(&name).await {
@@ -557,43 +554,195 @@ fn label_value(s: &str) -> String {
     format!("{}-{h:016x}", &s[..46])
 }
 
-/// Reads and removes nothing: the fatal error a mounter left in its handoff directory.
-pub fn last_error(dir: &Path) -> Option<String> {
-    std::fs::read_to_string(dir.join(LAST_ERROR_FILE))
-        .ok()
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-}
-
-/// What the control socket of a mounter says about it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Answer {
-    /// It answered a PING.
-    Serving,
-    /// The socket file exists but nobody listens: the mounter process is gone.
-    Refused,
-    /// No socket yet: the mounter has not started listening.
-    Absent,
-    /// It did not answer in time (busy), or something else went wrong.
-    Unknown,
-}
-
-/// Asks the mounter behind `dir` whether it is there.
-pub fn answers(dir: &Path) -> Answer {
-    use std::io::ErrorKind;
-    match handoff::connect(dir, std::time::Duration::from_secs(2)) {
-        Ok(s) => {
-            let ok = handoff::send(&s, "PING", None)
-                .and_then(|_| handoff::recv(&s))
-                .is_ok_and(|(line, _)| line.starts_with("OK pid="));
-            if ok {
-                Answer::Serving
-            } else {
-                Answer::Unknown
+/// Watches a mounter Pod from this node: it has exited once its control socket refuses
+/// connections, or once it left a failure in the handoff directory. The watch ends when
+/// nobody else holds the returned flag any more (the mount was dropped).
+fn watch_pod(dir: &Path, name: &str) -> ExitFlag {
+    let exited: ExitFlag = Arc::new(Mutex::new(None));
+    let flag = exited.clone();
+    let dir = dir.to_path_buf();
+    let name = name.to_string();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(SUPERVISE_EVERY).await;
+            if Arc::strong_count(&flag) == 1 {
+                return;
+            }
+            if let Some(failure) = handoff::read_failure(&dir) {
+                *flag.lock().unwrap() = Some(format!("failed: {failure}"));
+                return;
+            }
+            let d = dir.clone();
+            if blocking(move || handoff::ping(&d)).await == handoff::Answer::Refused {
+                tracing::info!(pod = name, "mounter pod stopped serving");
+                *flag.lock().unwrap() = Some("its control socket is closed".into());
+                return;
             }
         }
-        Err(e) if e.kind() == ErrorKind::ConnectionRefused => Answer::Refused,
-        Err(e) if e.kind() == ErrorKind::NotFound => Answer::Absent,
-        Err(_) => Answer::Unknown,
+    });
+    exited
+}
+
+impl PodLauncher {
+    async fn delete_now(&self, m: &MounterHandle) {
+        if let Some(name) = &m.pod {
+            if let Err(e) = self.delete_pod(name, 0).await {
+                tracing::warn!(pod = name, error = %e, "cannot delete the mounter pod");
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl MounterBackend for PodLauncher {
+    async fn start(
+        &self,
+        req: &MountRequest,
+        dir: &Path,
+        recover: bool,
+        generation: u32,
+    ) -> Result<MounterHandle, MountError> {
+        let name =
+            PodLauncher::start(self, req, &mount_id(&req.target), dir, recover, generation).await?;
+        let mut handle = MounterHandle::new(0, Some(name.clone()), watch_pod(dir, &name));
+        handle.start_watch = Some(Arc::new(Mutex::new(pod_status::StartWatch::new(
+            &name, &req.scrub,
+        ))));
+        Ok(handle)
+    }
+
+    fn answered_by(&self, _m: &MounterHandle, pong: &str) -> bool {
+        // A Pod's process has a pid of its own namespace; its socket is its alone.
+        pong.starts_with("OK pid=")
+    }
+
+    fn gone(&self, m: &MounterHandle) -> Option<String> {
+        let exited = m.exited.lock().unwrap();
+        exited.as_ref().map(|s| format!("{m} stopped ({s})"))
+    }
+
+    async fn kill(&self, m: &MounterHandle) {
+        self.delete_now(m).await
+    }
+
+    async fn discard(&self, m: &MounterHandle) {
+        // Its process is gone; the Pod object (phase Failed) is not.
+        self.delete_now(m).await
+    }
+
+    async fn stop(&self, _target: &Path, m: &MounterHandle, deadline: Instant) {
+        let Some(name) = &m.pod else { return };
+        // Deleting the Pod gives the mounter its SIGTERM and grace period.
+        let grace = deadline
+            .saturating_duration_since(Instant::now())
+            .as_secs()
+            .max(1) as u32;
+        if let Err(e) = self.delete_pod(name, grace).await {
+            tracing::warn!(pod = name, error = %e, "cannot delete the mounter pod");
+        }
+        while !m.has_exited() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        if !m.has_exited() {
+            tracing::warn!(
+                pod = name,
+                "mounter pod did not stop in time; deleting it now"
+            );
+            self.delete_now(m).await;
+        }
+    }
+
+    async fn check_start(&self, m: &MounterHandle) -> Result<(), MountError> {
+        let Some(watch) = &m.start_watch else {
+            return Ok(());
+        };
+        let pod = watch.lock().unwrap().pod().to_string();
+        match self.inspect(&pod).await {
+            Ok(state) => watch.lock().unwrap().observe(state, Instant::now()),
+            Err(e) => {
+                tracing::debug!(pod, error = %e, "cannot read the mounter pod's status");
+                Ok(())
+            }
+        }
+    }
+
+    async fn exit_error(&self, m: &MounterHandle, _scrub: &[String]) -> MountError {
+        let Some(watch) = &m.start_watch else {
+            return MountError::other(format!("{m} stopped without a message"));
+        };
+        let pod = watch.lock().unwrap().pod().to_string();
+        // The API server may lag kubelet a little behind the socket.
+        let until = Instant::now() + Duration::from_secs(3);
+        loop {
+            if let Ok(state) = self.inspect(&pod).await {
+                if let Err(e) = watch.lock().unwrap().observe(state, Instant::now()) {
+                    return e;
+                }
+            }
+            if Instant::now() >= until {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        let last = watch.lock().unwrap().last().map(|r| r.to_string());
+        MountError::other(format!(
+            "the mounter pod {pod} stopped without a message{}",
+            last.map(|r| format!("; last seen: {r}"))
+                .unwrap_or_default()
+        ))
+    }
+
+    fn start_timeout(&self, m: &MounterHandle, waited: Duration, _scrub: &[String]) -> String {
+        let watch = m.start_watch.as_ref().map(|w| w.lock().unwrap());
+        let last = watch
+            .as_ref()
+            .and_then(|w| w.last().map(|r| r.to_string()))
+            .unwrap_or_else(|| "no reason in its status or events".to_string());
+        format!(
+            "the mounter pod {} was not ready within {waited:?}; last seen: {last}",
+            m.pod.as_deref().unwrap_or("?")
+        )
+    }
+
+    fn adopt(&self, record: &MountRecord) -> (MounterHandle, bool) {
+        let name = record.pod.clone().unwrap_or_default();
+        let alive = handoff::ping(&record.handoff_dir) == handoff::Answer::Serving;
+        let exited = watch_pod(&record.handoff_dir, &name);
+        (MounterHandle::new(record.pid, Some(name), exited), alive)
+    }
+
+    fn replacement_credentials(&self, _record: &MountRecord) -> Vec<(&'static str, String)> {
+        // A mounter Pod's credentials stay in its Secret, which its replacement reads too.
+        vec![]
+    }
+
+    async fn release(&self, target: &Path) {
+        if let Err(e) = self
+            .delete_secret(&PodLauncher::secret_name(&mount_id(target)))
+            .await
+        {
+            tracing::warn!(error = %e, "cannot delete the mounter secret");
+        }
+    }
+
+    async fn reconcile(&self, live: &[(PathBuf, MounterHandle)]) -> Result<(), MountError> {
+        let live_pods: Vec<&str> = live.iter().filter_map(|(_, m)| m.pod.as_deref()).collect();
+        let live_mounts: Vec<String> = live.iter().map(|(t, _)| mount_id(t)).collect();
+        let (found_pods, found_secrets) = self.list_managed().await?;
+        for (name, _) in found_pods
+            .iter()
+            .filter(|(n, _)| !live_pods.contains(&n.as_str()))
+        {
+            tracing::info!(pod = name, "deleting a mounter pod that serves no mount");
+            self.delete_pod(name, self.settings().termination_grace_seconds)
+                .await?;
+        }
+        for (name, mount) in found_secrets.iter() {
+            if !live_mounts.contains(mount) {
+                tracing::info!(secret = name, "deleting a mounter secret of no mount");
+                self.delete_secret(name).await?;
+            }
+        }
+        Ok(())
     }
 }

@@ -315,12 +315,9 @@ fn mounter_pids(dir: &Path) -> Vec<u32> {
     let mut pids = vec![];
     if let Ok(entries) = std::fs::read_dir(dir.join("state").join("mounts")) {
         for e in entries.flatten() {
-            pids.extend(
-                read(&e.path())
-                    .lines()
-                    .filter_map(|l| l.strip_prefix("pid="))
-                    .filter_map(|p| p.parse::<u32>().ok()),
-            );
+            if let Ok(record) = s3csi::mounter::state::MountRecord::read(&e.path()) {
+                pids.push(record.pid);
+            }
         }
     }
     pids

@@ -1,0 +1,544 @@
+//! The mounts of this node: publish (start a mounter, mount, hand over), unpublish, status
+//! and adoption of what an earlier node service left. Where mounters run is the backend's
+//! business, the syscalls the kernel seam's.
+
+use super::backend::{MounterBackend, MounterHandle};
+use super::handoff;
+use super::kernel::Kernel;
+use super::state::MountRecord;
+use super::{
+    blocking, key_for, private_file, FailureKind, MountError, MountRequest, MountStatus, Mounter,
+    Timeouts,
+};
+use async_trait::async_trait;
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How often a starting mounter's backend is asked whether it will ever start.
+const CHECK_START_EVERY: Duration = Duration::from_secs(1);
+
+pub(super) struct Tracked {
+    pub volume_id: String,
+    pub mounter: MounterHandle,
+    /// Our duplicate of the mount's /dev/fuse descriptor.
+    pub fuse_fd: Option<Arc<OwnedFd>>,
+    pub handoff_dir: PathBuf,
+    /// What a replacement is started with; None when it could not be recovered.
+    pub request: Option<MountRequest>,
+    /// Unmount in progress (or not serving yet): do not replace.
+    pub stopping: bool,
+    /// A replacement is starting, for this reason.
+    pub replacing: Option<String>,
+    pub replacements: u32,
+    pub last_replacement: Option<String>,
+    /// Failed replacement attempts in a row, and when to try again.
+    pub failures: u32,
+    pub retry_at: Option<Instant>,
+}
+
+impl Tracked {
+    fn new(volume_id: String, mounter: MounterHandle, handoff_dir: PathBuf) -> Self {
+        Tracked {
+            volume_id,
+            mounter,
+            fuse_fd: None,
+            handoff_dir,
+            request: None,
+            stopping: false,
+            replacing: None,
+            replacements: 0,
+            last_replacement: None,
+            failures: 0,
+            retry_at: None,
+        }
+    }
+}
+
+pub struct MountManager {
+    pub(super) kernel: Arc<dyn Kernel>,
+    pub(super) backend: Arc<dyn MounterBackend>,
+    state_dir: PathBuf,
+    pub(super) timeouts: Timeouts,
+    pub(super) mounts: Mutex<HashMap<PathBuf, Tracked>>,
+    /// One mount, unmount or replacement at a time per target.
+    ops: Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>,
+    pub(super) replacements_total: AtomicU64,
+}
+
+impl MountManager {
+    /// Creates the state directory (records and logs name volumes, buckets and paths:
+    /// root's business only).
+    pub fn new(
+        kernel: Arc<dyn Kernel>,
+        backend: Arc<dyn MounterBackend>,
+        state_dir: PathBuf,
+        timeouts: Timeouts,
+    ) -> std::io::Result<Self> {
+        use std::os::unix::fs::PermissionsExt;
+        for dir in [
+            state_dir.clone(),
+            state_dir.join("mounts"),
+            state_dir.join("handoff"),
+        ] {
+            std::fs::create_dir_all(&dir)?;
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
+        }
+        Ok(Self {
+            kernel,
+            backend,
+            state_dir,
+            timeouts,
+            mounts: Mutex::new(HashMap::new()),
+            ops: Mutex::new(HashMap::new()),
+            replacements_total: AtomicU64::new(0),
+        })
+    }
+
+    /// The directory mounter logs go to (process mode).
+    pub fn logs_dir(state_dir: &Path) -> std::io::Result<PathBuf> {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = state_dir.join("logs");
+        std::fs::create_dir_all(&dir)?;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
+        Ok(dir)
+    }
+
+    fn state_file(&self, target: &Path) -> PathBuf {
+        self.state_dir
+            .join("mounts")
+            .join(format!("{}.state", key_for(target)))
+    }
+
+    /// The mounter's recovery directory (control socket, saved INIT, inode log).
+    pub fn handoff_dir(&self, target: &Path) -> PathBuf {
+        self.state_dir.join("handoff").join(key_for(target))
+    }
+
+    /// How many mounters this node service replaced, all volumes together.
+    pub fn replacements_total(&self) -> u64 {
+        self.replacements_total.load(Ordering::Relaxed)
+    }
+
+    /// How many mounts this node service tracks (starting, serving, being replaced or
+    /// being unmounted).
+    pub fn mount_count(&self) -> usize {
+        self.mounts.lock().unwrap().len()
+    }
+
+    pub(super) fn op_lock(&self, target: &Path) -> Arc<tokio::sync::Mutex<()>> {
+        self.ops
+            .lock()
+            .unwrap()
+            .entry(target.to_path_buf())
+            .or_default()
+            .clone()
+    }
+
+    pub(super) fn write_state(&self, target: &Path) {
+        let record = {
+            let mounts = self.mounts.lock().unwrap();
+            let Some(t) = mounts.get(target) else {
+                return;
+            };
+            let Some(req) = &t.request else { return };
+            MountRecord {
+                volume_id: t.volume_id.clone(),
+                target: target.to_path_buf(),
+                pid: t.mounter.pid,
+                pod: t.mounter.pod.clone(),
+                handoff_dir: t.handoff_dir.clone(),
+                replacements: t.replacements,
+                source: req.source.clone(),
+                args: req.args.clone(),
+            }
+        };
+        let path = self.state_file(target);
+        let tmp = path.with_extension("tmp");
+        let res = private_file(&tmp, false)
+            .and_then(|mut f| std::io::Write::write_all(&mut f, record.to_json().as_bytes()))
+            .and_then(|_| std::fs::rename(&tmp, &path));
+        if let Err(e) = res {
+            tracing::warn!(error = %e, "cannot record the mount in the state directory");
+        }
+    }
+
+    fn remove_state(&self, target: &Path) {
+        let _ = std::fs::remove_file(self.state_file(target));
+        let _ = std::fs::remove_dir_all(self.handoff_dir(target));
+    }
+
+    /// Adopts the mounts an earlier node service left running (records whose target is
+    /// still mounted or whose mounter still answers); forgets the others. Serving
+    /// mounters give their descriptor back over their control socket, so they can be
+    /// replaced later. Returns how many were adopted.
+    pub fn recover(&self) -> usize {
+        let Ok(dir) = std::fs::read_dir(self.state_dir.join("mounts")) else {
+            return 0;
+        };
+        let mounted = self.kernel.mounts();
+        let mut adopted = 0;
+        for entry in dir.flatten() {
+            let path = entry.path();
+            if path.extension().and_then(|e| e.to_str()) != Some("state") {
+                continue;
+            }
+            let record = match MountRecord::read(&path) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(error = %e, "dropping a mount record");
+                    let _ = std::fs::remove_file(&path);
+                    continue;
+                }
+            };
+            let target = record.target.clone();
+            let volume_id = record.volume_id.as_str();
+            let is_mounted = mounted
+                .iter()
+                .rev()
+                .find(|e| e.mount_point == target)
+                .is_some_and(|e| e.is_fuse());
+            let (mounter, alive) = self.backend.adopt(&record);
+            if !is_mounted && !alive {
+                tracing::info!(volume_id, target = %target.display(), "forgetting a mount that is gone");
+                let _ = std::fs::remove_file(&path);
+                let _ = std::fs::remove_dir_all(self.handoff_dir(&target));
+                continue;
+            }
+            let mut t = Tracked::new(
+                record.volume_id.clone(),
+                mounter,
+                record.handoff_dir.clone(),
+            );
+            t.replacements = record.replacements;
+            if alive {
+                match handoff::collect_fd(&record.handoff_dir, Duration::from_secs(5)) {
+                    Ok(fd) => t.fuse_fd = Some(Arc::new(fd)),
+                    Err(e) => tracing::warn!(volume_id, target = %target.display(), error = %e,
+                        "cannot collect the FUSE descriptor; this mounter cannot be replaced if it dies"),
+                }
+            }
+            let env = self.backend.replacement_credentials(&record);
+            t.request = Some(MountRequest {
+                volume_id: record.volume_id.clone(),
+                target: target.clone(),
+                source: record.source.clone(),
+                args: record.args.clone(),
+                scrub: env
+                    .iter()
+                    .filter(|(k, _)| *k != "AWS_ACCESS_KEY_ID")
+                    .map(|(_, v)| v.clone())
+                    .collect(),
+                env,
+                kernel: handoff::KernelMount::default(),
+            });
+            tracing::info!(
+                volume_id,
+                target = %target.display(),
+                pid = record.pid,
+                pod = record.pod.as_deref().unwrap_or(""),
+                descriptor = t.fuse_fd.is_some(),
+                "adopted mount"
+            );
+            self.mounts.lock().unwrap().insert(target, t);
+            adopted += 1;
+        }
+        adopted
+    }
+
+    /// After [`Self::recover`]: lets the backend delete mounter objects that belong to no
+    /// mount any more (left by a node service that died between creating and recording
+    /// them, or by a mount that is gone), and reports mounts whose mounter vanished while
+    /// no node service held their descriptor.
+    pub async fn reconcile(&self) -> Result<(), MountError> {
+        let (live, orphaned): (Vec<(PathBuf, MounterHandle)>, Vec<String>) = {
+            let mounts = self.mounts.lock().unwrap();
+            let live = mounts
+                .iter()
+                .map(|(p, t)| (p.clone(), t.mounter.clone()))
+                .collect();
+            let orphaned = mounts
+                .iter()
+                .filter(|(_, t)| t.mounter.pod.is_some() && t.fuse_fd.is_none())
+                .map(|(p, t)| format!("{} ({})", p.display(), t.volume_id))
+                .collect();
+            (live, orphaned)
+        };
+        self.backend.reconcile(&live).await?;
+        for m in orphaned {
+            tracing::error!(
+                mount = m,
+                "this mount lost its mounter pod while no node service held its descriptor; \
+                it reports abnormal until the volume is unpublished and published again"
+            );
+        }
+        Ok(())
+    }
+
+    /// Starts a mounter for `req` (a replacement when `recover`) and waits until it
+    /// listens on its control socket (it checked the bucket first).
+    pub(super) async fn start_mounter(
+        &self,
+        req: &MountRequest,
+        dir: &Path,
+        recover: bool,
+        generation: u32,
+    ) -> Result<MounterHandle, MountError> {
+        // A failure left by an earlier mounter of this directory is not this one's.
+        handoff::clear_failure(dir);
+        let m = self.backend.start(req, dir, recover, generation).await?;
+        if let Err(e) = self.wait_listening(&m, dir, &req.scrub).await {
+            self.backend.kill(&m).await;
+            return Err(e);
+        }
+        Ok(m)
+    }
+
+    async fn wait_listening(
+        &self,
+        m: &MounterHandle,
+        dir: &Path,
+        scrub: &[String],
+    ) -> Result<(), MountError> {
+        let deadline = Instant::now() + self.timeouts.mount;
+        let mut next_check = Instant::now() + CHECK_START_EVERY;
+        loop {
+            let d = dir.to_path_buf();
+            let pong = blocking(move || -> std::io::Result<String> {
+                let s = handoff::connect(&d, Duration::from_secs(2))?;
+                handoff::send(&s, "PING", None)?;
+                Ok(handoff::recv(&s)?.0)
+            })
+            .await;
+            if pong.is_ok_and(|l| self.backend.answered_by(m, &l)) {
+                return Ok(());
+            }
+            if m.has_exited() {
+                return Err(match handoff::read_failure(dir) {
+                    Some(f) => f.into(),
+                    None => self.backend.exit_error(m, scrub).await,
+                });
+            }
+            if Instant::now() >= next_check {
+                if let Err(e) = self.backend.check_start(m).await {
+                    // A mounter that ran and gave up said why, better than its Pod does.
+                    return Err(handoff::read_failure(dir).map_or(e, Into::into));
+                }
+                next_check = Instant::now() + CHECK_START_EVERY;
+            }
+            if Instant::now() >= deadline {
+                let message = match handoff::read_failure(dir) {
+                    Some(f) => format!(
+                        "the mounter was not ready within {:?}; last mounter message: {f}",
+                        self.timeouts.mount
+                    ),
+                    None => self.backend.start_timeout(m, self.timeouts.mount, scrub),
+                };
+                return Err(MountError {
+                    kind: FailureKind::Timeout,
+                    message,
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Hands `fd` to the (listening) mounter and waits until it serves.
+    pub(super) async fn hand_over(
+        &self,
+        m: &MounterHandle,
+        dir: &Path,
+        fd: &Arc<OwnedFd>,
+    ) -> Result<(), MountError> {
+        let d = dir.to_path_buf();
+        let f = fd.clone();
+        let timeout = self.timeouts.mount;
+        let refused = match blocking(move || handoff::serve_fd(&d, f.as_raw_fd(), timeout)).await {
+            Ok(()) => return Ok(()),
+            Err(refused) => refused,
+        };
+        // If it died instead of answering, the failure it recorded says more.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        Err(match (m.has_exited(), handoff::read_failure(dir)) {
+            (true, Some(f)) => f.into(),
+            _ => refused.into(),
+        })
+    }
+
+    /// Stops the mounter, unmounts, and waits a moment for our child to be reaped.
+    async fn stop_and_unmount(
+        &self,
+        target: &Path,
+        mounter: Option<&MounterHandle>,
+    ) -> Result<(), MountError> {
+        let deadline = Instant::now() + self.timeouts.unmount;
+        if let Some(m) = mounter {
+            self.backend.stop(target, m, deadline).await;
+            self.backend.release(target).await;
+        }
+        if self.kernel.find(target).is_some() {
+            if let Err(e) = self.kernel.unmount(target, false) {
+                tracing::warn!(error = %e, "unmount failed; waiting, then detaching lazily");
+                if !self.wait_unmounted(target, deadline).await {
+                    self.kernel.unmount(target, true).map_err(|e| {
+                        MountError::other(format!("cannot unmount {}: {e}", target.display()))
+                    })?;
+                }
+            }
+        }
+        if let Some(m) = mounter {
+            let grace = Instant::now() + Duration::from_secs(5);
+            while !m.has_exited() && Instant::now() < grace {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        Ok(())
+    }
+
+    async fn wait_unmounted(&self, target: &Path, deadline: Instant) -> bool {
+        loop {
+            if self.kernel.find(target).is_none() {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+#[async_trait]
+impl Mounter for MountManager {
+    async fn mount(&self, req: MountRequest) -> Result<(), MountError> {
+        let op = self.op_lock(&req.target);
+        let _op = op.lock().await;
+        let dir = self.handoff_dir(&req.target);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| MountError::other(format!("cannot create {}: {e}", dir.display())))?;
+        handoff::clear_failure(&dir);
+        let m = match self.backend.start(&req, &dir, false, 0).await {
+            Ok(m) => m,
+            Err(e) => {
+                self.backend.release(&req.target).await;
+                let _ = std::fs::remove_dir_all(&dir);
+                return Err(e);
+            }
+        };
+        let mut tracked = Tracked::new(req.volume_id.clone(), m.clone(), dir.clone());
+        tracked.stopping = true; // not replaceable until it serves
+        self.mounts
+            .lock()
+            .unwrap()
+            .insert(req.target.clone(), tracked);
+        let result = async {
+            self.wait_listening(&m, &dir, &req.scrub).await?;
+            let fd = self
+                .kernel
+                .mount_fuse(&req.target, &req.kernel)
+                .map_err(|e| MountError {
+                    kind: if e.raw_os_error() == Some(libc::EPERM) {
+                        FailureKind::PermissionDenied
+                    } else {
+                        FailureKind::Other
+                    },
+                    message: format!("cannot mount on {}: {e}", req.target.display()),
+                })?;
+            let fd = Arc::new(fd);
+            if let Err(e) = self.hand_over(&m, &dir, &fd).await {
+                let _ = self.kernel.unmount(&req.target, true);
+                return Err(e);
+            }
+            Ok(fd)
+        }
+        .await;
+        match result {
+            Ok(fd) => {
+                if let Some(t) = self.mounts.lock().unwrap().get_mut(&req.target) {
+                    t.fuse_fd = Some(fd);
+                    t.request = Some(req.clone());
+                    t.stopping = false;
+                }
+                self.write_state(&req.target);
+                Ok(())
+            }
+            Err(e) => {
+                self.backend.kill(&m).await;
+                self.backend.release(&req.target).await;
+                self.mounts.lock().unwrap().remove(&req.target);
+                let _ = std::fs::remove_dir_all(&dir);
+                Err(e)
+            }
+        }
+    }
+
+    async fn unmount(&self, target: &Path) -> Result<(), MountError> {
+        let op = self.op_lock(target);
+        let _op = op.lock().await;
+        let mounter = {
+            let mut mounts = self.mounts.lock().unwrap();
+            mounts.get_mut(target).map(|t| {
+                t.stopping = true;
+                t.mounter.clone()
+            })
+        };
+        self.stop_and_unmount(target, mounter.as_ref()).await?;
+        // Dropping our descriptor closes the connection for good.
+        self.mounts.lock().unwrap().remove(target);
+        self.remove_state(target);
+        Ok(())
+    }
+
+    fn status(&self, target: &Path) -> MountStatus {
+        let mounted = self.kernel.find(target);
+        let mounts = self.mounts.lock().unwrap();
+        let Some(t) = mounts.get(target) else {
+            drop(mounts);
+            return MountStatus {
+                problem: mounted.as_ref().and_then(|_| self.kernel.probe(target)),
+                mounted,
+                ..Default::default()
+            };
+        };
+        let dead = self.backend.gone(&t.mounter);
+        let held = t.fuse_fd.is_some() && !t.stopping;
+        let mut recoverable = false;
+        let problem = if let Some(reason) = &t.replacing {
+            recoverable = true;
+            Some(format!("{reason}; a replacement mounter is starting"))
+        } else if let Some(reason) = dead {
+            if held && t.request.is_some() {
+                recoverable = true;
+                Some(format!("{reason}; replacing it"))
+            } else {
+                Some(reason)
+            }
+        } else if mounted.is_none() {
+            Some(format!("{} is no longer mounted", target.display()))
+        } else {
+            None
+        };
+        let status = MountStatus {
+            volume_id: Some(t.volume_id.clone()),
+            pid: Some(t.mounter.pid),
+            mounted,
+            problem,
+            recoverable,
+            replacements: t.replacements,
+            last_replacement: t.last_replacement.clone(),
+        };
+        drop(mounts);
+        if status.problem.is_none() {
+            // Only now: a probe of a mount without a live mounter would wait.
+            return MountStatus {
+                problem: self.kernel.probe(target),
+                ..status
+            };
+        }
+        status
+    }
+}

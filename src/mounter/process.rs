@@ -1,0 +1,249 @@
+//! Mounters as child processes of the node service, each in a session and process group
+//! of its own (signals to the node service do not reach it, and it outlives a restart or
+//! crash of the node service), stdin on /dev/null, stderr in a private log file, and
+//! credentials only as `AWS_*` environment variables.
+
+use super::backend::{ExitFlag, MounterBackend, MounterHandle};
+use super::state::MountRecord;
+use super::{private_file, scrub_text, MountError, MountRequest};
+use async_trait::async_trait;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The credentials a mounter may be given, all of them `AWS_*` variables.
+pub const CREDENTIAL_KEYS: [&str; 3] = [
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+];
+
+pub struct ProcessBackend {
+    /// The s3csi binary to run as `bin mount ...`.
+    bin: PathBuf,
+    /// Where each mounter's stderr goes: `<logs>/<key>.log`.
+    logs: PathBuf,
+}
+
+impl ProcessBackend {
+    pub fn new(bin: PathBuf, logs: PathBuf) -> Self {
+        Self { bin, logs }
+    }
+
+    /// The log file of the mounter on `target`.
+    pub fn log_file(&self, target: &Path) -> PathBuf {
+        self.logs.join(format!("{}.log", super::key_for(target)))
+    }
+}
+
+pub fn pid_alive(pid: u32) -> bool {
+    use nix::sys::signal::kill;
+    use nix::unistd::Pid;
+    match kill(Pid::from_raw(pid as i32), None) {
+        Ok(()) => {
+            // A zombie still answers kill(0); it is not serving anything.
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            !stat
+                .rsplit_once(')')
+                .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'))
+        }
+        Err(_) => false,
+    }
+}
+
+/// Is the process `pid` a `s3csi mount` for `target`? (Guards against pid reuse.)
+fn is_our_mounter(pid: u32, target: &Path) -> bool {
+    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        return false;
+    };
+    let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+    args.iter().any(|a| *a == b"mount") && args.contains(&target.as_os_str().as_encoded_bytes())
+}
+
+/// The static credentials a running mounter was given, from its environment.
+fn credentials_of(pid: u32) -> Vec<(&'static str, String)> {
+    let raw = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+    raw.split(|b| *b == 0)
+        .filter_map(|kv| std::str::from_utf8(kv).ok()?.split_once('='))
+        .filter_map(|(k, v)| {
+            CREDENTIAL_KEYS
+                .iter()
+                .find(|key| **key == k)
+                .map(|key| (*key, v.to_string()))
+        })
+        .collect()
+}
+
+fn signal(pid: u32, sig: nix::sys::signal::Signal) {
+    if pid > 0 {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), sig);
+    }
+}
+
+/// The last line written to `log` since `offset`, secrets removed.
+fn last_line(log: &Path, offset: u64, scrub: &[String]) -> String {
+    let mut text = String::new();
+    if let Ok(mut f) = std::fs::File::open(log) {
+        let _ = f.seek(SeekFrom::Start(offset));
+        let _ = f.read_to_string(&mut text);
+    }
+    let mut line = text
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .unwrap_or("the mounter exited without a message")
+        .to_string();
+    if let Some(rest) = line.strip_prefix("s3csi: ") {
+        line = rest.to_string();
+    }
+    scrub_text(&line, scrub)
+}
+
+fn last_words(m: &MounterHandle, scrub: &[String]) -> String {
+    match &m.log {
+        Some((log, offset)) => last_line(log, *offset, scrub),
+        None => "the mounter exited without a message".into(),
+    }
+}
+
+#[async_trait]
+impl MounterBackend for ProcessBackend {
+    async fn start(
+        &self,
+        req: &MountRequest,
+        dir: &Path,
+        recover: bool,
+        _generation: u32,
+    ) -> Result<MounterHandle, MountError> {
+        let log = self.log_file(&req.target);
+        let logf = private_file(&log, true)
+            .map_err(|e| MountError::other(format!("cannot open {}: {e}", log.display())))?;
+        let offset = logf.metadata().map(|m| m.len()).unwrap_or(0);
+        let mut cmd = tokio::process::Command::new(&self.bin);
+        cmd.arg("mount")
+            .arg("--foreground")
+            .arg("--handoff-dir")
+            .arg(dir);
+        if recover {
+            cmd.arg("--recover");
+        }
+        cmd.args(&req.args)
+            .arg(&req.source)
+            .arg(&req.target)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(logf)
+            .kill_on_drop(false);
+        if !req.env.is_empty() {
+            // Given credentials replace the node's, including a stale session token.
+            cmd.env_remove("AWS_SESSION_TOKEN")
+                .env_remove("AWS_PROFILE")
+                .env_remove("AWS_WEB_IDENTITY_TOKEN_FILE")
+                .env_remove("AWS_ROLE_ARN");
+            for (k, v) in &req.env {
+                cmd.env(k, v);
+            }
+        }
+        unsafe {
+            // Own session and process group: signals to the node service (or its group)
+            // do not reach the mounters, and they outlive it.
+            cmd.pre_exec(|| {
+                nix::unistd::setsid().map_err(std::io::Error::from)?;
+                Ok(())
+            });
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| MountError::other(format!("cannot start {}: {e}", self.bin.display())))?;
+        let pid = child.id().unwrap_or(0);
+        tracing::info!(pid, recover, log = %log.display(), "started mounter");
+        let exited: ExitFlag = Arc::new(Mutex::new(None));
+        {
+            let exited = exited.clone();
+            let volume_id = req.volume_id.clone();
+            tokio::spawn(async move {
+                let status = child.wait().await;
+                let text = match status {
+                    Ok(s) => s.to_string(),
+                    Err(e) => format!("unknown status ({e})"),
+                };
+                tracing::info!(volume_id, pid, status = %text, "mounter exited");
+                *exited.lock().unwrap() = Some(text);
+            });
+        }
+        let mut handle = MounterHandle::new(pid, None, exited);
+        handle.log = Some((log, offset));
+        Ok(handle)
+    }
+
+    fn answered_by(&self, m: &MounterHandle, pong: &str) -> bool {
+        pong == format!("OK pid={}", m.pid)
+    }
+
+    fn gone(&self, m: &MounterHandle) -> Option<String> {
+        if let Some(s) = m.exited.lock().unwrap().as_ref() {
+            return Some(format!("{m} exited ({s})"));
+        }
+        // A child killed a moment ago is a zombie until the reaper task runs: it already
+        // serves nothing, and a status probe now would only wait for its replacement.
+        (!pid_alive(m.pid)).then(|| format!("{m} is gone"))
+    }
+
+    async fn kill(&self, m: &MounterHandle) {
+        signal(m.pid, nix::sys::signal::Signal::SIGKILL);
+    }
+
+    async fn discard(&self, _m: &MounterHandle) {}
+
+    async fn stop(&self, target: &Path, m: &MounterHandle, deadline: Instant) {
+        let pid = m.pid;
+        if pid == 0 || !pid_alive(pid) || !is_our_mounter(pid, target) {
+            return;
+        }
+        signal(pid, nix::sys::signal::Signal::SIGTERM);
+        while pid_alive(pid) {
+            if Instant::now() >= deadline {
+                tracing::warn!(pid, "mounter did not stop in time; killing it");
+                signal(pid, nix::sys::signal::Signal::SIGKILL);
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    async fn check_start(&self, _m: &MounterHandle) -> Result<(), MountError> {
+        Ok(())
+    }
+
+    async fn exit_error(&self, m: &MounterHandle, scrub: &[String]) -> MountError {
+        MountError::other(last_words(m, scrub))
+    }
+
+    fn start_timeout(&self, m: &MounterHandle, waited: Duration, scrub: &[String]) -> String {
+        format!(
+            "the mounter was not ready within {waited:?}; last mounter message: {}",
+            last_words(m, scrub)
+        )
+    }
+
+    fn adopt(&self, record: &MountRecord) -> (MounterHandle, bool) {
+        let pid = record.pid;
+        let alive = pid_alive(pid) && is_our_mounter(pid, &record.target);
+        (
+            MounterHandle::new(pid, None, Arc::new(Mutex::new(None))),
+            alive,
+        )
+    }
+
+    fn replacement_credentials(&self, record: &MountRecord) -> Vec<(&'static str, String)> {
+        credentials_of(record.pid)
+    }
+
+    async fn release(&self, _target: &Path) {}
+
+    async fn reconcile(&self, _live: &[(PathBuf, MounterHandle)]) -> Result<(), MountError> {
+        Ok(())
+    }
+}
