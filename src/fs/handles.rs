@@ -134,7 +134,7 @@ impl S3Fs {
                 return Err(e);
             }
         }
-        if let Some(i) = lock(&self.inodes).get_mut(ino) {
+        if let Some(i) = self.inodes().get_mut(ino) {
             i.open_handles += 1;
         }
         Ok(fh)
@@ -165,7 +165,7 @@ impl S3Fs {
         // registered until the commit is done, so that `flush_all` on unmount waits for it.
         let result = self.commit(&mut f, fh, true).await;
         lock(&self.handles).remove(&fh);
-        let mut t = lock(&self.inodes);
+        let mut t = self.inodes();
         if let Some(i) = t.get_mut(f.ino) {
             i.open_handles = i.open_handles.saturating_sub(1);
         }

@@ -108,7 +108,7 @@ impl InodeTable {
     /// Restores the bindings a dead mounter persisted and persists new ones to `log` from
     /// now on. Restored inodes are pinned until the kernel forgets them (their lookup
     /// count is unknown; a FORGET always carries the kernel's whole count).
-    pub fn restore_and_log(&mut self, restored: &[Binding], max_ino: u64, mut log: InodeLog) {
+    pub fn restore_and_log(&mut self, restored: &[Binding], max_ino: u64, log: InodeLog) {
         let mount_time = self.by_ino.get(&ROOT_INO).map(|r| r.mtime);
         for b in restored {
             if b.ino == ROOT_INO || self.by_ino.contains_key(&b.ino) {
@@ -481,6 +481,8 @@ mod tests {
         let gone = t.upsert(ROOT_INO, "gone", Kind::File, 1, SystemTime::now(), None);
         t.add_lookup(gone);
         t.forget(gone, 1);
+        // What the table queued is written once its lock is released (`S3Fs::inodes`).
+        t.log.as_ref().unwrap().flush();
         // The dead mounter's table is lost; the log is what a replacement sees.
         let loaded = inode_log::load(&path, "p/").unwrap();
         let mut r = InodeTable::new("p/".into(), SystemTime::now(), 1000);

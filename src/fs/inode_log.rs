@@ -24,6 +24,8 @@ use super::inode::{Inode, Kind};
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 const MAGIC: &str = "s3csi-inodes 1";
 /// Rewrite when the file holds this many records more than the live bindings (×2).
@@ -158,12 +160,34 @@ pub fn load(path: &Path, root_key: &str) -> std::io::Result<Loaded> {
     })
 }
 
-/// The open log a mounter appends to.
+/// The log a mounter appends to. Bindings are queued under the inode table's lock (in
+/// memory, in order) and written by [`InodeLog::flush`] once that lock is released, before
+/// the reply that tells the kernel about them goes out: a FUSE request never waits for
+/// another one's file I/O while holding the table.
+#[derive(Clone)]
 pub struct InodeLog {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    pending: Mutex<Vec<Entry>>,
+    /// Something is queued: the common case, nothing, costs one load.
+    dirty: AtomicBool,
+    /// Records in the file plus those queued, for the compaction decision.
+    records: AtomicUsize,
+    file: Mutex<LogFile>,
+}
+
+enum Entry {
+    Line(String),
+    /// Rewrite the file with only these bindings.
+    Snapshot(Vec<Binding>),
+}
+
+struct LogFile {
     path: PathBuf,
     root_key: String,
     file: File,
-    records: usize,
     failed: bool,
 }
 
@@ -172,17 +196,87 @@ impl InodeLog {
     pub fn create(path: &Path, root_key: &str, live: &[Binding]) -> std::io::Result<InodeLog> {
         let file = write_snapshot(path, root_key, live)?;
         Ok(InodeLog {
-            path: path.to_path_buf(),
-            root_key: root_key.to_string(),
-            file,
-            records: live.len(),
-            failed: false,
+            shared: Arc::new(Shared {
+                pending: Mutex::new(Vec::new()),
+                dirty: AtomicBool::new(false),
+                records: AtomicUsize::new(live.len()),
+                file: Mutex::new(LogFile {
+                    path: path.to_path_buf(),
+                    root_key: root_key.to_string(),
+                    file,
+                    failed: false,
+                }),
+            }),
         })
     }
 
-    fn append(&mut self, line: &str) {
-        self.records += 1;
-        if let Err(e) = self.file.write_all(line.as_bytes()) {
+    fn queue(&self, entry: Entry) {
+        let mut pending = self
+            .shared
+            .pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        pending.push(entry);
+        self.shared.dirty.store(true, Ordering::Release);
+    }
+
+    pub fn bind(&self, b: &Binding) {
+        self.shared.records.fetch_add(1, Ordering::Relaxed);
+        self.queue(Entry::Line(bind_line(b)));
+    }
+
+    pub fn unbind(&self, ino: u64) {
+        self.shared.records.fetch_add(1, Ordering::Relaxed);
+        self.queue(Entry::Line(format!("U\t{ino}\n")));
+    }
+
+    pub fn wants_compaction(&self, live: usize) -> bool {
+        self.shared.records.load(Ordering::Relaxed) > 2 * live + COMPACT_SLACK
+    }
+
+    /// Rewrites the file with only `live` (a temporary file renamed over it), after what
+    /// is queued before it.
+    pub fn compact(&self, live: &[Binding]) {
+        self.shared.records.store(live.len(), Ordering::Relaxed);
+        self.queue(Entry::Snapshot(live.to_vec()));
+    }
+
+    /// Writes everything queued so far, in order. Whoever flushes writes the others'
+    /// entries too, so once this returns the caller's own are in the file.
+    pub fn flush(&self) {
+        if !self.shared.dirty.load(Ordering::Acquire) {
+            return;
+        }
+        let mut file = self.shared.file.lock().unwrap_or_else(|p| p.into_inner());
+        let entries = {
+            let mut pending = self
+                .shared
+                .pending
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            self.shared.dirty.store(false, Ordering::Release);
+            std::mem::take(&mut *pending)
+        };
+        let mut text = String::new();
+        for entry in entries {
+            match entry {
+                Entry::Line(line) => text.push_str(&line),
+                Entry::Snapshot(live) => {
+                    file.append(&std::mem::take(&mut text));
+                    file.snapshot(&live);
+                }
+            }
+        }
+        file.append(&text);
+    }
+}
+
+impl LogFile {
+    fn append(&mut self, text: &str) {
+        if text.is_empty() {
+            return;
+        }
+        if let Err(e) = self.file.write_all(text.as_bytes()) {
             if !self.failed {
                 tracing::error!(path = %self.path.display(), error = %e,
                     "cannot persist inode bindings; a replacement mounter may not resolve them");
@@ -191,25 +285,9 @@ impl InodeLog {
         }
     }
 
-    pub fn bind(&mut self, b: &Binding) {
-        self.append(&bind_line(b));
-    }
-
-    pub fn unbind(&mut self, ino: u64) {
-        self.append(&format!("U\t{ino}\n"));
-    }
-
-    pub fn wants_compaction(&self, live: usize) -> bool {
-        self.records > 2 * live + COMPACT_SLACK
-    }
-
-    /// Rewrites the file with only `live` (write a temporary file, rename it over).
-    pub fn compact(&mut self, live: &[Binding]) {
+    fn snapshot(&mut self, live: &[Binding]) {
         match write_snapshot(&self.path, &self.root_key, live) {
-            Ok(f) => {
-                self.file = f;
-                self.records = live.len();
-            }
+            Ok(f) => self.file = f,
             Err(e) => tracing::warn!(error = %e, "cannot compact the inode log"),
         }
     }
@@ -244,11 +322,17 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("s3csi-inolog-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("inodes.log");
-        let mut log = InodeLog::create(&path, "p/", &[b(2, 1, Kind::Dir, "p/d/")]).unwrap();
+        let log = InodeLog::create(&path, "p/", &[b(2, 1, Kind::Dir, "p/d/")]).unwrap();
         log.bind(&b(3, 2, Kind::File, "p/d/we\tird\nname\\"));
         log.bind(&b(4, 1, Kind::File, "p/x"));
         log.unbind(4);
         log.bind(&b(5, 2, Kind::File, "p/d/y"));
+        assert_eq!(
+            load(&path, "p/").unwrap().bindings.len(),
+            1,
+            "queued, not written yet"
+        );
+        log.flush();
         let loaded = load(&path, "p/").unwrap();
         assert_eq!(loaded.max_ino, 5);
         let keys: Vec<&str> = loaded.bindings.iter().map(|b| b.key.as_str()).collect();
@@ -264,6 +348,7 @@ mod tests {
         f.write_all(b"B\t9\t1\tf\tp/torn").unwrap();
         assert_eq!(load(&path, "p/").unwrap().bindings.len(), 3);
         log.compact(&loaded.bindings);
+        log.flush();
         assert_eq!(load(&path, "p/").unwrap().bindings, loaded.bindings);
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -60,7 +60,7 @@ impl S3Fs {
         check_name(name)?;
         let parent_inode = self.dir_inode(parent)?;
         {
-            let mut t = lock(&self.inodes);
+            let mut t = self.inodes();
             if let Some(child) = t.child(parent, name) {
                 if self.fresh(child) {
                     let attr = self.attr_of(child);
@@ -76,7 +76,7 @@ impl S3Fs {
         self.list_ahead(&parent_inode);
         match self.probe(&parent_inode.key, name).await? {
             Some((kind, meta)) => {
-                let mut t = lock(&self.inodes);
+                let mut t = self.inodes();
                 // A writer that appeared meanwhile wins over what S3 said.
                 if let Some(child) = t.child(parent, name) {
                     if child.writer.is_some() || child.local_only {
@@ -95,7 +95,7 @@ impl S3Fs {
                 Ok(self.attr_of(i))
             }
             None => {
-                let mut t = lock(&self.inodes);
+                let mut t = self.inodes();
                 if let Some(child) = t.child(parent, name) {
                     if child.writer.is_some() || child.local_only {
                         let attr = self.attr_of(child);
@@ -117,7 +117,7 @@ impl S3Fs {
     /// and a complete listing answers for names that do not exist too.
     pub(super) fn list_ahead(&self, dir: &Inode) {
         {
-            let mut t = lock(&self.inodes);
+            let mut t = self.inodes();
             let Some(d) = t.get_mut(dir.ino) else {
                 return;
             };
@@ -166,7 +166,7 @@ impl S3Fs {
     }
 
     pub fn forget(&self, ino: u64, n: u64) {
-        lock(&self.inodes).forget(ino, n);
+        self.inodes().forget(ino, n);
     }
 
     pub async fn getattr(&self, ino: u64) -> FsResult<Attr> {
@@ -176,7 +176,7 @@ impl S3Fs {
         }
         match self.client.head_object(&i.key).await {
             Ok(meta) => {
-                let mut t = lock(&self.inodes);
+                let mut t = self.inodes();
                 let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
                 if i.writer.is_none() {
                     i.size = meta.size;

@@ -166,6 +166,8 @@ pub struct S3Fs {
     deletes: Arc<DeferredDeletes>,
     cfg: FsConfig,
     inodes: Arc<Mutex<InodeTable>>,
+    /// Crash recovery: the inode log, flushed whenever the table's lock is released.
+    inode_log: std::sync::OnceLock<inode_log::InodeLog>,
     handles: Mutex<HashMap<u64, Handle>>,
     next_fh: AtomicU64,
     prefetch_budget: Arc<Semaphore>,
@@ -181,6 +183,35 @@ pub struct S3Fs {
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     // A panic while holding the lock must not take the whole mount down with it.
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The inode table, locked. Dropping it releases the lock first and then writes what the
+/// holder queued for the inode log, so no one waits for that file I/O on the table.
+struct Inodes<'a> {
+    table: Option<std::sync::MutexGuard<'a, InodeTable>>,
+    log: Option<&'a inode_log::InodeLog>,
+}
+
+impl std::ops::Deref for Inodes<'_> {
+    type Target = InodeTable;
+    fn deref(&self) -> &InodeTable {
+        self.table.as_ref().expect("held until dropped")
+    }
+}
+
+impl std::ops::DerefMut for Inodes<'_> {
+    fn deref_mut(&mut self) -> &mut InodeTable {
+        self.table.as_mut().expect("held until dropped")
+    }
+}
+
+impl Drop for Inodes<'_> {
+    fn drop(&mut self) {
+        drop(self.table.take());
+        if let Some(log) = self.log {
+            log.flush();
+        }
+    }
 }
 
 fn check_name(name: &str) -> FsResult<()> {
@@ -205,6 +236,7 @@ impl S3Fs {
                 mount_time,
                 INODE_CAP,
             ))),
+            inode_log: std::sync::OnceLock::new(),
             client: deletes.clone(),
             deletes,
             cfg,
@@ -232,7 +264,9 @@ impl S3Fs {
         log: inode_log::InodeLog,
         first_fh: u64,
     ) {
-        lock(&self.inodes).restore_and_log(&restored.bindings, restored.max_ino, log);
+        let _ = self.inode_log.set(log.clone());
+        self.inodes()
+            .restore_and_log(&restored.bindings, restored.max_ino, log);
         self.next_fh.fetch_max(first_fh, Ordering::Relaxed);
     }
 
@@ -272,11 +306,15 @@ impl S3Fs {
             .is_some_and(|t| t.elapsed() < self.cfg.metadata_ttl)
     }
 
+    fn inodes(&self) -> Inodes<'_> {
+        Inodes {
+            table: Some(lock(&self.inodes)),
+            log: self.inode_log.get(),
+        }
+    }
+
     fn inode(&self, ino: u64) -> FsResult<Inode> {
-        lock(&self.inodes)
-            .get(ino)
-            .cloned()
-            .ok_or(FsError::NotFound)
+        self.inodes().get(ino).cloned().ok_or(FsError::NotFound)
     }
 
     fn dir_inode(&self, ino: u64) -> FsResult<Inode> {
@@ -296,7 +334,7 @@ impl S3Fs {
     }
 
     pub fn inode_count(&self) -> usize {
-        lock(&self.inodes).len()
+        self.inodes().len()
     }
 }
 

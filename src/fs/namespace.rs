@@ -7,7 +7,7 @@ impl S3Fs {
         self.writable()?;
         check_name(name)?;
         let p = self.dir_inode(parent)?;
-        if let Some(existing) = lock(&self.inodes).child(parent, name) {
+        if let Some(existing) = self.inodes().child(parent, name) {
             if self.fresh(existing) {
                 return Err(FsError::Exists);
             }
@@ -21,7 +21,7 @@ impl S3Fs {
         }
         let probed_at = Instant::now();
         self.client.put_object(&key, Bytes::new()).await?;
-        let mut t = lock(&self.inodes);
+        let mut t = self.inodes();
         let ino = t.upsert(parent, name, Kind::Dir, 0, SystemTime::now(), None);
         t.add_lookup(ino);
         let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
@@ -35,7 +35,7 @@ impl S3Fs {
         check_name(name)?;
         let p = self.dir_inode(parent)?;
         let key = format!("{}{}/", p.key, name);
-        if let Some(child) = lock(&self.inodes).child(parent, name) {
+        if let Some(child) = self.inodes().child(parent, name) {
             if child.kind != Kind::Dir {
                 return Err(FsError::NotDir);
             }
@@ -59,7 +59,7 @@ impl S3Fs {
             return Err(FsError::NotEmpty);
         }
         {
-            let t = lock(&self.inodes);
+            let t = self.inodes();
             if let Some(dir) = t.child(parent, name) {
                 let dino = dir.ino;
                 if t.children_of(dino)
@@ -70,7 +70,7 @@ impl S3Fs {
             }
         }
         self.client.delete_object(&key).await?;
-        lock(&self.inodes).unbind(parent, name);
+        self.inodes().unbind(parent, name);
         Ok(())
     }
 
@@ -78,7 +78,7 @@ impl S3Fs {
         self.writable()?;
         check_name(name)?;
         let p = self.dir_inode(parent)?;
-        let known = lock(&self.inodes).child(parent, name).cloned();
+        let known = self.inodes().child(parent, name).cloned();
         let child = match known {
             Some(c) => c,
             None => self.resolve(parent, name).await?,
@@ -95,11 +95,12 @@ impl S3Fs {
                 let key = format!("{}{}", p.key, name);
                 let put_done = async move { drop(put.lock().await) };
                 self.deletes.delete_after(&key, put_done).await?;
-                lock(&self.inodes).unbind(parent, name);
+                self.inodes().unbind(parent, name);
                 return Ok(());
             }
         }
-        let child = lock(&self.inodes)
+        let child = self
+            .inodes()
             .child(parent, name)
             .cloned()
             .ok_or(FsError::NotFound)?;
@@ -112,7 +113,7 @@ impl S3Fs {
                 }
                 f.state = FileState::Discarded;
             }
-            if let Some(i) = lock(&self.inodes).get_mut(child.ino) {
+            if let Some(i) = self.inodes().get_mut(child.ino) {
                 i.writer = None;
                 i.local_only = false;
             }
@@ -122,7 +123,7 @@ impl S3Fs {
                 .delete_object(&format!("{}{}", p.key, name))
                 .await?;
         }
-        lock(&self.inodes).unbind(parent, name);
+        self.inodes().unbind(parent, name);
         Ok(())
     }
 
@@ -167,9 +168,7 @@ impl S3Fs {
                 if a.kind == Kind::Dir {
                     return Err(FsError::IsDir);
                 }
-                let busy = lock(&self.inodes)
-                    .get(a.ino)
-                    .is_some_and(|i| i.writer.is_some());
+                let busy = self.inodes().get(a.ino).is_some_and(|i| i.writer.is_some());
                 if busy {
                     return Err(FsError::Busy("rename onto a file that is being written"));
                 }
@@ -184,7 +183,7 @@ impl S3Fs {
                 .await?;
             self.client.delete_object(&src_key).await?;
         }
-        let mut t = lock(&self.inodes);
+        let mut t = self.inodes();
         t.rebind(src.ino, new_parent, new_name);
         if let Some(i) = t.get_mut(src.ino) {
             i.validated = Some(Instant::now());

@@ -37,7 +37,7 @@ impl S3Fs {
             return false;
         };
         {
-            let mut t = lock(&self.inodes);
+            let mut t = self.inodes();
             let Some(i) = t.get_mut(ino) else {
                 return false;
             };
@@ -56,9 +56,10 @@ impl S3Fs {
                 },
             );
         }
-        let (deletes, inodes, pending, slots) = (
+        let (deletes, inodes, log, pending, slots) = (
             self.deletes.clone(),
             self.inodes.clone(),
+            self.inode_log.get().cloned(),
             self.pending.clone(),
             self.create_slots.clone(),
         );
@@ -74,6 +75,7 @@ impl S3Fs {
             if sending.is_err() {
                 // Unlinked before its turn came: the file never reaches S3 (see `cancel_put`).
                 lock(&inodes).forget(ino, 0);
+                log.iter().for_each(inode_log::InodeLog::flush);
                 *guard = Some(Ok(()));
                 let mut p = lock(&pending);
                 if p.get(&ino).is_some_and(|p| Arc::ptr_eq(&p.done, &mine)) {
@@ -105,6 +107,7 @@ impl S3Fs {
             }
             t.forget(ino, 0);
             drop(t);
+            log.iter().for_each(inode_log::InodeLog::flush);
             match &result {
                 Ok(_) => tracing::debug!(key = %key, "empty file created in S3"),
                 Err(e) => {

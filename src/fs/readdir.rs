@@ -138,12 +138,13 @@ impl S3Fs {
         };
         if !d.started {
             d.started = true;
-            d.pass_start = Some((Instant::now(), lock(&self.inodes).forgotten_names));
+            d.pass_start = Some((Instant::now(), self.inodes().forgotten_names));
             let (ino, parent) = (d.ino, d.parent);
             push(d, ino, Kind::Dir, ".".into());
             push(d, parent, Kind::Dir, "..".into());
             // Files created here and not uploaded yet: S3 cannot list them.
-            let locals: Vec<(u64, Kind, String)> = lock(&self.inodes)
+            let locals: Vec<(u64, Kind, String)> = self
+                .inodes()
                 .children_of(ino)
                 .filter(|c| c.local_only)
                 .map(|c| (c.ino, c.kind, c.name.clone()))
@@ -165,7 +166,7 @@ impl S3Fs {
             .await?;
         let mut entries = page_entries(&d.key, &page, self.mount_time);
         entries.retain(|e| !d.local_names.contains(&e.name));
-        let mut t = lock(&self.inodes);
+        let mut t = self.inodes();
         for e in entries {
             let ino = t.upsert(d.ino, &e.name, e.kind, e.size, e.mtime, e.etag);
             if ino != 0 {

@@ -1,4 +1,5 @@
-//! File-system logic against the in-memory client: no kernel, no server.
+//! File-system logic without a kernel: against the in-memory client, and (the tests named
+//! in `on_both_stores!`) also against the embedded S3 server through the real client.
 
 use super::*;
 use crate::s3::mem::MemClient;
@@ -14,6 +15,150 @@ fn fs_with(mem: Arc<MemClient>, prefix: &str) -> S3Fs {
         },
     )
 }
+
+/// The object store a file-system test runs on: the in-memory double, or the embedded
+/// S3 server on 127.0.0.1 through the real client (signing, HTTP, its error mapping).
+enum Store {
+    Mem(Arc<MemClient>),
+    Server {
+        server: crate::s3server::RunningServer,
+        client: Arc<crate::s3::aws::AwsClient>,
+        _dir: crate::mounter::tests::Scratch,
+    },
+}
+
+const BUCKET: &str = "fs-tests";
+
+impl Store {
+    fn mem() -> Self {
+        Store::Mem(Arc::new(MemClient::new()))
+    }
+
+    async fn server() -> Self {
+        let dir = crate::mounter::tests::Scratch::new();
+        let server = crate::s3server::start(crate::s3server::ServerConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            dir: dir.0.clone(),
+            access_key: "fs-tests".into(),
+            secret_key: "fs-tests-secret".into(),
+        })
+        .await
+        .unwrap();
+        server.store.create_bucket(BUCKET).unwrap();
+        let endpoint = crate::s3::aws::Endpoint {
+            endpoint_url: Some(server.endpoint()),
+            force_path_style: true,
+            region: None,
+        };
+        let client = crate::s3::aws::AwsClient::with_static_credentials(
+            BUCKET,
+            &endpoint,
+            "fs-tests",
+            "fs-tests-secret",
+            None,
+        )
+        .await;
+        Store::Server {
+            server,
+            client: Arc::new(client),
+            _dir: dir,
+        }
+    }
+
+    fn client(&self) -> Arc<dyn ObjectClient> {
+        match self {
+            Store::Mem(mem) => mem.clone(),
+            Store::Server { client, .. } => client.clone(),
+        }
+    }
+
+    async fn put(&self, key: &str, body: &str) {
+        self.client()
+            .put_object(key, Bytes::copy_from_slice(body.as_bytes()))
+            .await
+            .unwrap();
+    }
+
+    async fn get(&self, key: &str) -> Option<Bytes> {
+        let client = self.client();
+        let meta = match client.head_object(key).await {
+            Ok(meta) => meta,
+            Err(crate::s3::S3Error::NotFound) => return None,
+            Err(e) => panic!("HEAD {key}: {e}"),
+        };
+        Some(client.get_range(key, 0, meta.size).await.unwrap())
+    }
+
+    async fn keys(&self) -> Vec<String> {
+        let page = self
+            .client()
+            .list(crate::s3::ListRequest {
+                prefix: "",
+                delimiter: None,
+                continuation: None,
+                max_keys: 1000,
+            })
+            .await
+            .unwrap();
+        page.objects.into_iter().map(|o| o.key).collect()
+    }
+
+    /// Multipart uploads begun and neither completed nor aborted.
+    async fn open_uploads(&self) -> usize {
+        match self {
+            Store::Mem(mem) => mem.open_uploads(),
+            Store::Server { server, .. } => server
+                .store
+                .list_uploads(BUCKET, "", None, None, 1000)
+                .unwrap()
+                .0
+                .len(),
+        }
+    }
+}
+
+/// A file system on `store`; parts as small as the store allows, so that tests of a few
+/// bytes use multipart uploads on the in-memory double.
+fn fs_with_store(store: &Store, prefix: &str) -> S3Fs {
+    let part_size = match store {
+        Store::Mem(_) => 5,
+        Store::Server { .. } => 5 * 1024 * 1024,
+    };
+    S3Fs::new(
+        store.client(),
+        FsConfig {
+            prefix: prefix.to_string(),
+            part_size,
+            metadata_ttl: Duration::from_secs(60),
+            ..FsConfig::default()
+        },
+    )
+}
+
+/// Runs each named test on both stores, as `NAME::mem` and `NAME::s3_server`.
+macro_rules! on_both_stores {
+    ($($name:ident),* $(,)?) => {
+        $(mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn mem() {
+                super::$name(super::Store::mem()).await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn s3_server() {
+                super::$name(super::Store::server().await).await
+            }
+        })*
+    };
+}
+
+on_both_stores!(
+    implicit_and_marker_directories_are_listed,
+    write_read_rename_unlink_round_trip,
+    existing_objects_take_appends_but_refuse_writes_elsewhere,
+    closes_commit_what_their_owner_wrote_and_later_writes_continue,
+    unlinking_a_file_being_written_discards_it,
+);
 
 const ROOT: u64 = inode::ROOT_INO;
 const W: OpenMode = OpenMode {
@@ -46,14 +191,12 @@ async fn names(fs: &S3Fs, ino: u64) -> Vec<String> {
     out
 }
 
-#[tokio::test]
-async fn implicit_and_marker_directories_are_listed() {
-    let mem = Arc::new(MemClient::new());
-    mem.insert("p/a/b/c.txt", "c");
-    mem.insert("p/empty/", "");
-    mem.insert("p/top.txt", "top");
-    mem.insert("other/x", "x");
-    let fs = fs_with(mem, "p/");
+async fn implicit_and_marker_directories_are_listed(store: Store) {
+    store.put("p/a/b/c.txt", "c").await;
+    store.put("p/empty/", "").await;
+    store.put("p/top.txt", "top").await;
+    store.put("other/x", "x").await;
+    let fs = fs_with_store(&store, "p/");
     let mut root = names(&fs, ROOT).await;
     root.sort();
     assert_eq!(root, [".", "..", "a", "empty", "top.txt"]);
@@ -80,10 +223,8 @@ async fn large_directory_lists_every_key_across_pages() {
     assert_eq!(unique.len(), 2502);
 }
 
-#[tokio::test]
-async fn write_read_rename_unlink_round_trip() {
-    let mem = Arc::new(MemClient::new());
-    let fs = fs_with(mem.clone(), "");
+async fn write_read_rename_unlink_round_trip(store: Store) {
+    let fs = fs_with_store(&store, "");
     let (attr, fh) = fs.create(ROOT, "f", W).await.unwrap();
     fs.write(fh, 0, b"hello ", Some(1)).await.unwrap();
     fs.write(fh, 6, b"world, multipart", Some(1)).await.unwrap();
@@ -95,18 +236,21 @@ async fn write_read_rename_unlink_round_trip() {
     assert!(names(&fs, ROOT).await.contains(&"f".to_string()));
     fs.flush(fh, 1).await.unwrap();
     fs.release(fh).await.unwrap();
-    assert_eq!(mem.get("f").unwrap().as_ref(), b"hello world, multipart");
-    assert_eq!(mem.open_uploads(), 0);
+    assert_eq!(store.get("f").await.unwrap().as_ref(), b"hello world, multipart");
+    assert_eq!(store.open_uploads().await, 0);
 
     let fh = fs.open(attr.ino, R).await.unwrap();
     assert_eq!(fs.read(fh, 6, 5).await.unwrap().as_ref(), b"world");
     fs.release(fh).await.unwrap();
 
     let d = fs.mkdir(ROOT, "d").await.unwrap();
-    assert!(mem.get("d/").is_some(), "mkdir writes a marker");
+    assert!(store.get("d/").await.is_some(), "mkdir writes a marker");
     fs.rename(ROOT, "f", d.ino, "g", false).await.unwrap();
-    assert!(mem.get("f").is_none());
-    assert_eq!(mem.get("d/g").unwrap().as_ref(), b"hello world, multipart");
+    assert!(store.get("f").await.is_none());
+    assert_eq!(
+        store.get("d/g").await.unwrap().as_ref(),
+        b"hello world, multipart"
+    );
     assert!(matches!(fs.rmdir(ROOT, "d").await, Err(FsError::NotEmpty)));
     assert!(matches!(
         fs.rename(ROOT, "d", ROOT, "e", false).await,
@@ -116,14 +260,12 @@ async fn write_read_rename_unlink_round_trip() {
     fs.rmdir(ROOT, "d").await.unwrap();
     // Deletes after the first one are sent in the background (see `deletes.rs`).
     assert_eq!(fs.flush_all().await, 0);
-    assert!(mem.keys().is_empty(), "{:?}", mem.keys());
+    assert!(store.keys().await.is_empty(), "{:?}", store.keys().await);
 }
 
-#[tokio::test]
-async fn existing_objects_take_appends_but_refuse_writes_elsewhere() {
-    let mem = Arc::new(MemClient::new());
-    mem.insert("obj", "old contents");
-    let fs = fs_with(mem.clone(), "");
+async fn existing_objects_take_appends_but_refuse_writes_elsewhere(store: Store) {
+    store.put("obj", "old contents").await;
+    let fs = fs_with_store(&store, "");
     let a = fs.lookup(ROOT, "obj").await.unwrap();
     let rw = OpenMode {
         write: true,
@@ -139,58 +281,62 @@ async fn existing_objects_take_appends_but_refuse_writes_elsewhere() {
         fs.write(fh, 13, b"x", Some(1)).await,
         Err(FsError::Unsupported(_))
     ));
-    assert_eq!(mem.get("obj").unwrap().as_ref(), b"old contents");
+    assert_eq!(store.get("obj").await.unwrap().as_ref(), b"old contents");
     fs.write(fh, 12, b", appended", Some(1)).await.unwrap();
     fs.flush(fh, 1).await.unwrap();
     fs.release(fh).await.unwrap();
-    assert_eq!(mem.get("obj").unwrap().as_ref(), b"old contents, appended");
+    assert_eq!(
+        store.get("obj").await.unwrap().as_ref(),
+        b"old contents, appended"
+    );
 
     // Someone else replaces the object: an append to the version we knew must not mix.
     let fh = fs.open(a.ino, rw).await.unwrap();
-    mem.insert("obj", "theirs, 22 bytes long!");
+    store.put("obj", "theirs, 22 bytes long!").await;
     assert!(fs.write(fh, 22, b"mine", Some(1)).await.is_err());
     fs.release(fh).await.unwrap();
-    assert_eq!(mem.get("obj").unwrap().as_ref(), b"theirs, 22 bytes long!");
+    assert_eq!(
+        store.get("obj").await.unwrap().as_ref(),
+        b"theirs, 22 bytes long!"
+    );
 
     let fh = fs.open(a.ino, W).await.unwrap();
     fs.write(fh, 0, b"new", Some(1)).await.unwrap();
     fs.flush(fh, 1).await.unwrap();
     fs.release(fh).await.unwrap();
-    assert_eq!(mem.get("obj").unwrap().as_ref(), b"new");
+    assert_eq!(store.get("obj").await.unwrap().as_ref(), b"new");
 
     assert!(matches!(
         fs.setattr(a.ino, Some(1), None).await,
         Err(FsError::Unsupported(_))
     ));
     fs.setattr(a.ino, Some(0), None).await.unwrap();
-    assert_eq!(mem.get("obj").unwrap().len(), 0);
+    assert_eq!(store.get("obj").await.unwrap().len(), 0);
 }
 
-#[tokio::test]
-async fn closes_commit_what_their_owner_wrote_and_later_writes_continue() {
-    let mem = Arc::new(MemClient::new());
-    let fs = fs_with(mem.clone(), "");
+async fn closes_commit_what_their_owner_wrote_and_later_writes_continue(store: Store) {
+    let fs = fs_with_store(&store, "");
     let (shell, child, idle) = (100, 200, 300);
     let (_, fh) = fs.create(ROOT, "f", W).await.unwrap();
     fs.write(fh, 0, b"abc", Some(shell)).await.unwrap();
     // A forked child that never wrote closes its inherited copy: no commit.
     fs.flush(fh, idle).await.unwrap();
-    assert!(mem.get("f").is_none());
+    assert!(store.get("f").await.is_none());
     // A child that wrote commits at its close (its output is durable then) ...
     fs.write(fh, 3, b"def", Some(child)).await.unwrap();
     fs.flush(fh, child).await.unwrap();
-    assert_eq!(mem.get("f").unwrap().as_ref(), b"abcdef");
+    assert_eq!(store.get("f").await.unwrap().as_ref(), b"abcdef");
     // ... and the shell's next write continues the object, in any pid namespace.
     fs.write(fh, 6, b"ghi", Some(shell)).await.unwrap();
     fs.fsync(fh).await.unwrap();
-    assert_eq!(mem.get("f").unwrap().as_ref(), b"abcdefghi");
+    assert_eq!(store.get("f").await.unwrap().as_ref(), b"abcdefghi");
     fs.write(fh, 9, b"jkl", None).await.unwrap();
     fs.flush(fh, shell).await.unwrap();
-    assert_eq!(mem.get("f").unwrap().as_ref(), b"abcdefghijkl");
+    assert_eq!(store.get("f").await.unwrap().as_ref(), b"abcdefghijkl");
     // The last close has nothing left to do.
     fs.release(fh).await.unwrap();
-    assert_eq!(mem.get("f").unwrap().as_ref(), b"abcdefghijkl");
-    assert_eq!(mem.open_uploads(), 0);
+    assert_eq!(store.get("f").await.unwrap().as_ref(), b"abcdefghijkl");
+    assert_eq!(store.open_uploads().await, 0);
 }
 
 /// Handles a dead predecessor opened: every call answers at once. A self-deadlock on a
@@ -229,16 +375,14 @@ fn handles_of_a_dead_predecessor_answer_at_once() {
         .expect("a call on an unknown handle hung (or panicked)");
 }
 
-#[tokio::test]
-async fn unlinking_a_file_being_written_discards_it() {
-    let mem = Arc::new(MemClient::new());
-    let fs = fs_with(mem.clone(), "");
+async fn unlinking_a_file_being_written_discards_it(store: Store) {
+    let fs = fs_with_store(&store, "");
     let (_, fh) = fs.create(ROOT, "tmp", W).await.unwrap();
     fs.write(fh, 0, b"0123456789abc", Some(1)).await.unwrap();
     fs.unlink(ROOT, "tmp").await.unwrap();
     fs.release(fh).await.unwrap();
-    assert!(mem.get("tmp").is_none());
-    assert_eq!(mem.open_uploads(), 0);
+    assert!(store.get("tmp").await.is_none());
+    assert_eq!(store.open_uploads().await, 0);
 }
 
 #[tokio::test]

@@ -18,7 +18,7 @@ impl S3Fs {
     /// Registers a writer on `ino` whose object starts `size` bytes long, failing if
     /// another handle already writes it.
     pub(super) fn start_writing(&self, ino: u64, fh: u64, size: u64) -> FsResult<()> {
-        let mut t = lock(&self.inodes);
+        let mut t = self.inodes();
         let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
         if i.writer.is_some_and(|w| w != fh) {
             return Err(FsError::Busy("the file is already open for writing"));
@@ -30,7 +30,7 @@ impl S3Fs {
 
     /// Undoes `start_writing` after the upload could not start.
     pub(super) fn stop_writing(&self, ino: u64, fh: u64) {
-        let mut t = lock(&self.inodes);
+        let mut t = self.inodes();
         if let Some(i) = t.get_mut(ino).filter(|i| i.writer == Some(fh)) {
             i.writer = None;
             i.validated = None;
@@ -45,14 +45,14 @@ impl S3Fs {
         if key.len() > MAX_KEY_LEN {
             return Err(FsError::NameTooLong);
         }
-        let known = lock(&self.inodes).child(parent, name).map(|c| c.ino);
+        let known = self.inodes().child(parent, name).map(|c| c.ino);
         if let Some(ino) = known {
             // A new version must not be overtaken by the empty PUT of the previous one; if
             // that PUT failed, the name is gone and this creates it afresh.
             let _ = self.await_pending(ino).await;
         }
         let ino = {
-            let mut t = lock(&self.inodes);
+            let mut t = self.inodes();
             if let Some(existing) = t.child(parent, name) {
                 if existing.kind == Kind::Dir {
                     return Err(FsError::IsDir);
@@ -73,7 +73,7 @@ impl S3Fs {
             created: true,
             state: FileState::Write(self.new_upload(key)),
         }))));
-        let mut t = lock(&self.inodes);
+        let mut t = self.inodes();
         let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
         i.writer = Some(fh);
         i.open_handles += 1;
@@ -138,7 +138,7 @@ impl S3Fs {
                     tracing::warn!(key = %up.key(), offset, error = %e, "write refused");
                 })?;
                 let written = up.written();
-                if let Some(i) = lock(&self.inodes).get_mut(ino) {
+                if let Some(i) = self.inodes().get_mut(ino) {
                     i.size = written;
                     i.mtime = SystemTime::now();
                 }
@@ -232,7 +232,7 @@ impl S3Fs {
             FileState::Failed
         };
         f.writers = Writers::default();
-        let mut t = lock(&self.inodes);
+        let mut t = self.inodes();
         let unlinked = t.get(ino).is_none_or(|i| i.writer != Some(fh));
         if let Some(i) = t.get_mut(ino) {
             if i.writer == Some(fh) {
@@ -330,7 +330,7 @@ impl S3Fs {
                 }
                 if size == 0 {
                     up.truncate()?;
-                    let mut t = lock(&self.inodes);
+                    let mut t = self.inodes();
                     let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
                     i.size = 0;
                     return Ok(self.attr_of(i));
@@ -348,7 +348,7 @@ impl S3Fs {
             return Err(FsError::Unsupported("truncate to a size other than 0"));
         }
         let meta = self.client.put_object(&i.key, Bytes::new()).await?;
-        let mut t = lock(&self.inodes);
+        let mut t = self.inodes();
         let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
         i.size = 0;
         i.mtime = SystemTime::now();
