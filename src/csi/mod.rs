@@ -15,6 +15,7 @@ pub mod error;
 pub mod identity;
 pub mod node;
 pub mod pb;
+pub mod volume_record;
 
 use crate::metrics::Metered;
 use crate::mounter::backend::MounterBackend;

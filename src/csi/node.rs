@@ -59,6 +59,19 @@ fn checked_path(field: &str, path: &str, root: Option<&Path>) -> Result<PathBuf>
     Ok(clean)
 }
 
+/// The path NodeGetVolumeStats asks about. Volumes are published only at paths that
+/// [`checked_path`] accepts, so no volume is at any other path: that is NotFound (the CSI
+/// spec's "volume not found at that path"; csi-sanity sends the relative `some/path`), and
+/// InvalidArgument is kept for an empty path. Such a path is never looked at: a relative
+/// one would name something under our own working directory.
+fn stats_path(volume_path: &str) -> Result<PathBuf> {
+    if volume_path.is_empty() {
+        return Err(CsiError::invalid("volume_path is required"));
+    }
+    checked_path("volume_path", volume_path, None)
+        .map_err(|e| CsiError::NotFound(format!("no volume is published there: {e}")))
+}
+
 /// Validates a volume capability for a mount; returns whether its access mode is read-only.
 pub(crate) fn check_capability(cap: Option<&pb::VolumeCapability>) -> Result<bool> {
     let cap = cap.ok_or_else(|| CsiError::invalid("volume_capability is required"))?;
@@ -217,35 +230,37 @@ impl NodeService {
         Ok(())
     }
 
-    fn stats(&self, req: pb::NodeGetVolumeStatsRequest) -> Result<pb::NodeGetVolumeStatsResponse> {
+    async fn stats(
+        &self,
+        req: pb::NodeGetVolumeStatsRequest,
+    ) -> Result<pb::NodeGetVolumeStatsResponse> {
         use pb::volume_usage::Unit;
         if req.volume_id.is_empty() {
             return Err(CsiError::invalid("volume_id is required"));
         }
-        let path = checked_path("volume_path", &req.volume_path, None)?;
+        let path = stats_path(&req.volume_path)?;
         // status() may probe the mount, which waits while a mounter is being replaced:
         // keep it off the async workers' queues.
         let status = tokio::task::block_in_place(|| self.mounter.status(&path));
-        if status.volume_id.is_none() && status.mounted.is_none() {
-            if std::fs::symlink_metadata(&path).is_err() {
-                return Err(CsiError::NotFound(format!(
-                    "{} does not exist",
+        let Some(published) = &status.volume_id else {
+            return Err(CsiError::NotFound(if status.mounted.is_some() {
+                // Another file system's mount point: its usage is not the volume's.
+                format!(
+                    "{} is a mount point, but not of a volume this node published",
                     path.display()
-                )));
-            }
+                )
+            } else if std::fs::symlink_metadata(&path).is_err() {
+                format!("{} does not exist", path.display())
+            } else {
+                format!("no volume is published at {}", path.display())
+            }));
+        };
+        if *published != req.volume_id {
             return Err(CsiError::NotFound(format!(
-                "no volume is published at {}",
-                path.display()
+                "{} holds volume {published:?}, not {:?}",
+                path.display(),
+                req.volume_id
             )));
-        }
-        if let Some(v) = &status.volume_id {
-            if *v != req.volume_id {
-                return Err(CsiError::NotFound(format!(
-                    "{} holds volume {v:?}, not {:?}",
-                    path.display(),
-                    req.volume_id
-                )));
-            }
         }
         let condition = |abnormal: bool, message: String| pb::VolumeCondition { abnormal, message };
         if let Some(problem) = status.problem {
@@ -261,7 +276,14 @@ impl NodeService {
                 status.last_replacement.as_deref().unwrap_or("it died")
             ),
         };
-        match crate::mounter::statvfs_within(&path, std::time::Duration::from_secs(5)) {
+        // statvfs waits (up to the timeout) on a mount whose mounter does not answer: a
+        // blocking call, kept off the async workers.
+        let statvfs = tokio::task::spawn_blocking(move || {
+            crate::mounter::statvfs_within(&path, std::time::Duration::from_secs(5))
+        })
+        .await
+        .map_err(|e| CsiError::Internal(format!("the statvfs task failed: {e}")))?;
+        match statvfs {
             Ok(s) => {
                 let frsize = s.fragment_size().max(1) as i64;
                 let total = s.blocks() as i64 * frsize;
@@ -334,7 +356,7 @@ impl Node for NodeService {
     ) -> Result<Response<pb::NodeGetVolumeStatsResponse>, Status> {
         let req = request.into_inner();
         record(&req.volume_id, &req.volume_path);
-        Ok(Response::new(self.stats(req)?))
+        Ok(Response::new(self.stats(req).await?))
     }
 
     async fn node_get_capabilities(
@@ -387,5 +409,20 @@ mod tests {
             assert!(checked_path("t", bad, Some(root)).is_err(), "{bad}");
         }
         assert!(checked_path("t", "/a/\n", None).is_err());
+    }
+
+    #[test]
+    fn stats_paths_that_cannot_hold_a_volume_are_not_found() {
+        assert!(matches!(stats_path(""), Err(CsiError::InvalidArgument(_))));
+        for nowhere in ["some/path", "/a/../b", "/a/\n"] {
+            assert!(
+                matches!(stats_path(nowhere), Err(CsiError::NotFound(_))),
+                "{nowhere:?}"
+            );
+        }
+        assert_eq!(
+            stats_path("/var/lib/kubelet/pods/x/").unwrap(),
+            Path::new("/var/lib/kubelet/pods/x")
+        );
     }
 }

@@ -4,7 +4,7 @@
 
 use crate::common;
 
-use common::node_service::{mount_cap, publish_req, read, rw, CsiServer, Mode, Options};
+use common::node_service::{mount_cap, publish_req, read, rw, stats_req, CsiServer, Mode, Options};
 use common::{is_mountpoint, new_bucket, scratch_dir, ACCESS_KEY, SECRET_KEY};
 use s3csi::csi::pb::{self, volume_capability as vc};
 use s3csi::s3::aws::AwsClient;
@@ -12,6 +12,7 @@ use s3csi::s3::{ListRequest, ObjectClient};
 use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::{Duration, Instant};
 use tonic::Code;
 
@@ -810,17 +811,521 @@ async fn controller_lifecycle_create_publish_delete() {
         assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
         assert!(err.message().contains(needle), "{:?}", err.message());
     }
+    // A whole bucket is never a volume CreateVolume made: OK, and nothing is deleted.
+    ctl.delete_volume(pb::DeleteVolumeRequest {
+        volume_id: bucket.clone(),
+        secrets: HashMap::new(),
+    })
+    .await
+    .unwrap();
+    assert!(keys(&client, "").await.contains(&"top.txt".to_string()));
+    assert!(!server.log_text().contains(SECRET_KEY));
+}
+
+// ---- what Kubernetes' csi-sanity asks of the controller and node services -------------
+
+const GIB: i64 = 1 << 30;
+
+/// A CreateVolume request as the external-provisioner sends it: `required` bytes at least,
+/// `limit` bytes at most (0: no bound).
+fn create_req(
+    name: &str,
+    params: &[(&str, &str)],
+    required: i64,
+    limit: i64,
+) -> pb::CreateVolumeRequest {
+    pb::CreateVolumeRequest {
+        name: name.to_string(),
+        capacity_range: Some(pb::CapacityRange {
+            required_bytes: required,
+            limit_bytes: limit,
+        }),
+        volume_capabilities: vec![rw()],
+        parameters: params
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        ..Default::default()
+    }
+}
+
+fn delete_req(volume_id: &str) -> pb::DeleteVolumeRequest {
+    pb::DeleteVolumeRequest {
+        volume_id: volume_id.to_string(),
+        secrets: HashMap::new(),
+    }
+}
+
+fn validate_req(
+    volume_id: &str,
+    volume_context: HashMap<String, String>,
+) -> pb::ValidateVolumeCapabilitiesRequest {
+    pb::ValidateVolumeCapabilitiesRequest {
+        volume_id: volume_id.to_string(),
+        volume_context,
+        volume_capabilities: vec![rw()],
+        ..Default::default()
+    }
+}
+
+async fn sorted_keys(client: &AwsClient) -> Vec<String> {
+    let mut all = keys(client, "").await;
+    all.sort();
+    all
+}
+
+/// NodeGetVolumeStats answers NotFound for every path where the asked volume is not
+/// published: csi-sanity's relative `some/path`, a missing path, another volume's target,
+/// an empty directory, another file system's mount point. Only empty fields are
+/// InvalidArgument.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn volume_stats_where_the_volume_is_not_published_are_not_found() {
+    let started = Instant::now();
+    let server = start(Mode::All);
+    let bucket = new_bucket("csi-stats");
+    let mut node = server.node().await;
+    let target = server.target("stats");
+    node.node_publish_volume(publish_req(&bucket, &target))
+        .await
+        .unwrap();
+    let target_s = target.to_string_lossy().to_string();
+    let idle = server.target("idle");
+    std::fs::create_dir(&idle).unwrap();
+    let foreign = server.target("foreign");
+    std::fs::create_dir(&foreign).unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=1m", "s3csi-test-tmpfs"])
+        .arg(&foreign)
+        .status()
+        .unwrap();
+    assert!(mounted.success(), "mount a tmpfs on {}", foreign.display());
+    let cases: Vec<(&str, &str, String, Code)> = vec![
+        (
+            "relative path (csi-sanity)",
+            bucket.as_str(),
+            "some/path".into(),
+            Code::NotFound,
+        ),
+        (
+            "missing path",
+            bucket.as_str(),
+            "/nonexistent/s3csi/stats".into(),
+            Code::NotFound,
+        ),
+        (
+            "path with ..",
+            bucket.as_str(),
+            format!("{target_s}/../mount"),
+            Code::NotFound,
+        ),
+        (
+            "another volume's target",
+            "csi-sanity-id",
+            target_s.clone(),
+            Code::NotFound,
+        ),
+        (
+            "a directory with nothing mounted",
+            bucket.as_str(),
+            idle.to_string_lossy().into(),
+            Code::NotFound,
+        ),
+        (
+            "another file system's mount point",
+            bucket.as_str(),
+            foreign.to_string_lossy().into(),
+            Code::NotFound,
+        ),
+        ("no volume id", "", target_s.clone(), Code::InvalidArgument),
+        (
+            "no volume path",
+            bucket.as_str(),
+            String::new(),
+            Code::InvalidArgument,
+        ),
+    ];
+    for (name, volume_id, volume_path, code) in cases {
+        let res = node
+            .node_get_volume_stats(pb::NodeGetVolumeStatsRequest {
+                volume_id: volume_id.to_string(),
+                volume_path,
+                staging_target_path: String::new(),
+            })
+            .await;
+        let err = res.expect_err(name);
+        assert_eq!(err.code(), code, "{name}: {err:?}");
+    }
+    // The published volume at its own path still answers.
+    let stats = node
+        .node_get_volume_stats(stats_req(&bucket, &target))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!stats.volume_condition.unwrap().abnormal);
+    assert_eq!(stats.usage.len(), 2);
+    let unmounted = Command::new("umount").arg(&foreign).status().unwrap();
+    assert!(unmounted.success());
+    node.node_unpublish_volume(unpublish_req(&bucket, &target))
+        .await
+        .unwrap();
+    eprintln!(
+        "[csi] NodeGetVolumeStats: 6 NotFound and 2 InvalidArgument cases in {:?}",
+        started.elapsed()
+    );
+}
+
+/// CreateVolume records the capacity it gave a volume in S3: the same request again is
+/// the same volume, one whose capacity range the volume does not fit is AlreadyExists,
+/// also after a restart of the controller.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_volume_with_an_existing_name_and_another_capacity_is_already_exists() {
+    let started = Instant::now();
+    let dir = scratch_dir("csi-capacity");
+    let mut first = csi_in(dir.clone(), Mode::All).start();
+    let bucket = new_bucket("csi-cap");
+    let client = s3_client(&bucket).await;
+    let params = [("bucket", bucket.as_str()), ("basePrefix", "k8s")];
+    let mut ctl = first.controller().await;
+    // csi-sanity: 10 GiB (required and limit), then the same name with twice that.
+    let vol = ctl
+        .create_volume(create_req("pvc-cap", &params, 10 * GIB, 10 * GIB))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert_eq!(vol.capacity_bytes, 10 * GIB);
+    let again = ctl
+        .create_volume(create_req("pvc-cap", &params, 10 * GIB, 10 * GIB))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert_eq!(again, vol, "the same request is the same volume");
+    for (required, limit) in [(20 * GIB, 20 * GIB), (20 * GIB, 0), (0, 5 * GIB)] {
+        let err = ctl
+            .create_volume(create_req("pvc-cap", &params, required, limit))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.code(),
+            Code::AlreadyExists,
+            "{required}..{limit}: {err:?}"
+        );
+        assert!(err.message().contains("pvc-cap"), "{:?}", err.message());
+    }
+    // A range that the volume's 10 GiB fit is compatible: the same volume.
+    for (required, limit) in [(GIB, 0), (0, 20 * GIB), (0, 0)] {
+        let same = ctl
+            .create_volume(create_req("pvc-cap", &params, required, limit))
+            .await
+            .unwrap()
+            .into_inner()
+            .volume
+            .unwrap();
+        assert_eq!(same.capacity_bytes, 10 * GIB, "{required}..{limit}");
+    }
+    // The record is not in the volume: its prefix holds only its marker.
+    assert_eq!(keys(&client, "k8s/pvc-cap/").await, vec!["k8s/pvc-cap/"]);
+
+    // It is in S3, not in the controller's memory.
+    first.kill9();
+    let second = csi_in(dir, Mode::All).start();
+    let mut ctl = second.controller().await;
     let err = ctl
-        .delete_volume(pb::DeleteVolumeRequest {
-            volume_id: bucket.clone(),
-            secrets: HashMap::new(),
-        })
+        .create_volume(create_req("pvc-cap", &params, 20 * GIB, 20 * GIB))
         .await
         .unwrap_err();
+    assert_eq!(err.code(), Code::AlreadyExists, "after a restart: {err:?}");
+    let after_restart = ctl
+        .create_volume(create_req("pvc-cap", &params, 10 * GIB, 10 * GIB))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert_eq!(after_restart, vol);
+
+    // Another name that makes the same prefix ("pvc cap" is sanitised to "pvc-cap") is
+    // not this volume.
+    let err = ctl
+        .create_volume(create_req("pvc cap", &params, 10 * GIB, 10 * GIB))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::AlreadyExists, "{err:?}");
+    // A prefix that holds objects CreateVolume did not write is not taken over.
+    client
+        .put_object("k8s/taken/data.txt", bytes::Bytes::from_static(b"precious"))
+        .await
+        .unwrap();
+    let err = ctl
+        .create_volume(create_req("taken", &params, GIB, 0))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::AlreadyExists, "{err:?}");
+    // Malformed ranges.
+    for (required, limit) in [(-1, 0), (0, -1), (2 * GIB, GIB)] {
+        let err = ctl
+            .create_volume(create_req("pvc-range", &params, required, limit))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.code(),
+            Code::InvalidArgument,
+            "{required}..{limit}: {err:?}"
+        );
+    }
     assert_eq!(
-        err.code(),
-        Code::InvalidArgument,
-        "whole-bucket delete refused"
+        keys(&client, "k8s/taken/").await,
+        vec!["k8s/taken/data.txt"],
+        "the refused CreateVolume wrote nothing"
     );
-    assert!(!server.log_text().contains(SECRET_KEY));
+    assert!(keys(&client, "k8s/pvc-range").await.is_empty());
+    drop(first);
+    eprintln!(
+        "[csi] CreateVolume: capacity recorded, AlreadyExists before and after a restart, in {:?}",
+        started.elapsed()
+    );
+}
+
+/// DeleteVolume of an id CreateVolume did not make (csi-sanity's `fake-vol-id`, a whole
+/// bucket, a static PV's prefix, a prefix with data but no record, a missing bucket) is
+/// OK and deletes nothing; a volume CreateVolume made is deleted with its record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_volume_of_what_create_volume_did_not_make_is_ok_and_deletes_nothing() {
+    let started = Instant::now();
+    let server = start(Mode::All);
+    let bucket = new_bucket("csi-del");
+    let client = s3_client(&bucket).await;
+    let precious = vec![
+        "k8s/pvc-old/",
+        "k8s/pvc-old/data.txt",
+        "static/keep.txt",
+        "top.txt",
+    ];
+    for key in &precious {
+        client
+            .put_object(key, bytes::Bytes::from_static(b"keep"))
+            .await
+            .unwrap();
+    }
+    let mut ctl = server.controller().await;
+    let not_ours = [
+        "fake-vol-id".to_string(),
+        bucket.clone(),
+        format!("{bucket}/static"),
+        format!("{bucket}/k8s/pvc-old"),
+        format!("{bucket}/k8s"),
+        "no-such-bucket-s3csi/some/prefix".to_string(),
+    ];
+    for id in &not_ours {
+        ctl.delete_volume(delete_req(id))
+            .await
+            .unwrap_or_else(|e| panic!("DeleteVolume {id}: {e:?}"));
+        assert_eq!(sorted_keys(&client).await, precious, "DeleteVolume {id}");
+    }
+
+    let params = [("bucket", bucket.as_str()), ("basePrefix", "k8s")];
+    let vol = ctl
+        .create_volume(create_req("pvc-new", &params, GIB, 0))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    client
+        .put_object("k8s/pvc-new/a.txt", bytes::Bytes::from_static(b"a"))
+        .await
+        .unwrap();
+    // The directory of records is not a volume either.
+    ctl.delete_volume(delete_req(&format!("{bucket}/k8s/.s3csi-volumes")))
+        .await
+        .unwrap();
+    ctl.delete_volume(delete_req(&vol.volume_id)).await.unwrap();
+    assert_eq!(
+        sorted_keys(&client).await,
+        precious,
+        "the volume and its record are gone, nothing else"
+    );
+    // Gone: deleting it again is OK, and so is creating it anew.
+    ctl.delete_volume(delete_req(&vol.volume_id)).await.unwrap();
+    ctl.create_volume(create_req("pvc-new", &params, 2 * GIB, 0))
+        .await
+        .unwrap();
+    assert_eq!(keys(&client, "k8s/pvc-new/").await, vec!["k8s/pvc-new/"]);
+    eprintln!(
+        "[csi] DeleteVolume: {} ids that are not volumes deleted nothing; a created one went, in {:?}",
+        not_ours.len() + 1,
+        started.elapsed()
+    );
+}
+
+/// ValidateVolumeCapabilities of a volume that does not exist in S3 is NotFound; an
+/// endpoint that cannot be reached is Unavailable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn validate_volume_capabilities_of_a_missing_volume_is_not_found() {
+    let started = Instant::now();
+    let server = start(Mode::All);
+    let bucket = new_bucket("csi-val");
+    let client = s3_client(&bucket).await;
+    client
+        .put_object("static/data.txt", bytes::Bytes::from_static(b"x"))
+        .await
+        .unwrap();
+    let mut ctl = server.controller().await;
+    let params = [("bucket", bucket.as_str()), ("basePrefix", "k8s")];
+    let vol = ctl
+        .create_volume(create_req("pvc-val", &params, GIB, 0))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    for (id, ctx) in [
+        (vol.volume_id.clone(), vol.volume_context.clone()),
+        (bucket.clone(), HashMap::new()),
+        (format!("{bucket}/static"), HashMap::new()),
+    ] {
+        let res = ctl
+            .validate_volume_capabilities(validate_req(&id, ctx))
+            .await
+            .unwrap_or_else(|e| panic!("{id}: {e:?}"))
+            .into_inner();
+        assert!(res.confirmed.is_some(), "{id}: {res:?}");
+    }
+    let missing = [
+        format!("some-vol-id-{}", std::process::id()),
+        format!("{bucket}/no/such/prefix"),
+    ];
+    for id in &missing {
+        let err = ctl
+            .validate_volume_capabilities(validate_req(id, HashMap::new()))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::NotFound, "{id}: {err:?}");
+    }
+    ctl.delete_volume(delete_req(&vol.volume_id)).await.unwrap();
+    let err = ctl
+        .validate_volume_capabilities(validate_req(&vol.volume_id, vol.volume_context.clone()))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound, "deleted: {err:?}");
+    // Other S3 failures keep their own code.
+    let unreachable = HashMap::from([
+        ("endpointUrl".to_string(), "http://127.0.0.1:1".to_string()),
+        ("forcePathStyle".to_string(), "true".to_string()),
+    ]);
+    let asked = Instant::now();
+    let err = ctl
+        .validate_volume_capabilities(validate_req(&bucket, unreachable))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    eprintln!(
+        "[csi] ValidateVolumeCapabilities: 3 found, 3 NotFound, Unavailable after {:?}; in {:?}",
+        asked.elapsed(),
+        started.elapsed()
+    );
+}
+
+/// The controller's S3 records against the embedded S3 server (which checks signatures):
+/// create, the same again, an incompatible capacity, validate (PermissionDenied with the
+/// wrong keys), delete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn controller_volumes_on_the_embedded_s3_server() {
+    use s3csi::s3server::{self, ServerConfig, DEMO_ACCESS_KEY, DEMO_SECRET_KEY};
+    let started = Instant::now();
+    let s3 = s3server::start(ServerConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        dir: scratch_dir("csi-embedded-s3"),
+        access_key: DEMO_ACCESS_KEY.into(),
+        secret_key: DEMO_SECRET_KEY.into(),
+    })
+    .await
+    .expect("start the embedded S3 server");
+    let endpoint = s3.endpoint();
+    let bucket = "volumes";
+    s3.store.create_bucket(bucket).unwrap();
+    let server = csi_in(scratch_dir("csi"), Mode::All)
+        .without_s3_flags()
+        .flags(&["--s3-endpoint-url", &endpoint, "--s3-region", "us-east-1"])
+        .flags(&["--s3-force-path-style"])
+        .env("AWS_ACCESS_KEY_ID", DEMO_ACCESS_KEY)
+        .env("AWS_SECRET_ACCESS_KEY", DEMO_SECRET_KEY)
+        .start();
+    let client = AwsClient::with_static_credentials(
+        bucket,
+        &s3csi::s3::aws::Endpoint {
+            region: Some("us-east-1".into()),
+            endpoint_url: Some(endpoint.clone()),
+            force_path_style: true,
+        },
+        DEMO_ACCESS_KEY,
+        DEMO_SECRET_KEY,
+        None,
+    )
+    .await;
+    let mut ctl = server.controller().await;
+    let params = [("bucket", bucket), ("basePrefix", "k8s")];
+    let vol = ctl
+        .create_volume(create_req("pvc-e", &params, 10 * GIB, 10 * GIB))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    let again = ctl
+        .create_volume(create_req("pvc-e", &params, 10 * GIB, 10 * GIB))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert_eq!(again, vol);
+    let err = ctl
+        .create_volume(create_req("pvc-e", &params, 20 * GIB, 20 * GIB))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::AlreadyExists, "{err:?}");
+    assert_eq!(keys(&client, "k8s/pvc-e/").await, vec!["k8s/pvc-e/"]);
+
+    let found = ctl
+        .validate_volume_capabilities(validate_req(&vol.volume_id, vol.volume_context.clone()))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(found.confirmed.is_some(), "{found:?}");
+    let mut wrong_keys = validate_req(&vol.volume_id, vol.volume_context.clone());
+    wrong_keys.secrets = HashMap::from([
+        ("accessKeyId".to_string(), DEMO_ACCESS_KEY.to_string()),
+        ("secretAccessKey".to_string(), "not-the-secret".to_string()),
+    ]);
+    let err = ctl
+        .validate_volume_capabilities(wrong_keys)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+    let err = ctl
+        .validate_volume_capabilities(validate_req("no-such-bucket", HashMap::new()))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound, "{err:?}");
+
+    client
+        .put_object("k8s/pvc-e/f.txt", bytes::Bytes::from_static(b"f"))
+        .await
+        .unwrap();
+    ctl.delete_volume(delete_req(&vol.volume_id)).await.unwrap();
+    assert!(
+        sorted_keys(&client).await.is_empty(),
+        "the volume and its record are deleted"
+    );
+    ctl.delete_volume(delete_req("fake-vol-id")).await.unwrap();
+    drop(server);
+    s3.stop().await;
+    eprintln!(
+        "[csi] embedded S3 server: create, AlreadyExists, validate, PermissionDenied, delete in {:?}",
+        started.elapsed()
+    );
 }
