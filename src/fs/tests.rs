@@ -236,7 +236,10 @@ async fn write_read_rename_unlink_round_trip(store: Store) {
     assert!(names(&fs, ROOT).await.contains(&"f".to_string()));
     fs.flush(fh, 1).await.unwrap();
     fs.release(fh).await.unwrap();
-    assert_eq!(store.get("f").await.unwrap().as_ref(), b"hello world, multipart");
+    assert_eq!(
+        store.get("f").await.unwrap().as_ref(),
+        b"hello world, multipart"
+    );
     assert_eq!(store.open_uploads().await, 0);
 
     let fh = fs.open(attr.ino, R).await.unwrap();
