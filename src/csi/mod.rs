@@ -71,7 +71,8 @@ pub struct CsiArgs {
     /// How long a mount may take to appear, in seconds
     #[arg(long, default_value = "60")]
     pub mount_timeout: u64,
-    /// How long an unmount may take before a lazy unmount, in seconds
+    /// How long a mounter gets to complete its uploads when its volume is unpublished,
+    /// in seconds (then it is killed; a mount still busy a second later is detached lazily)
     #[arg(long, default_value = "30")]
     pub unmount_timeout: u64,
     /// Log level: error, warn, info, debug or trace (RUST_LOG overrides it)
@@ -229,6 +230,7 @@ pub async fn serve(
     };
 
     let node_service = if node {
+        raise_open_file_limit();
         let node_id = args
             .node_id
             .clone()
@@ -348,6 +350,34 @@ pub async fn serve(
     }
     let _ = std::fs::remove_file(&path);
     result
+}
+
+/// The node service holds one or two descriptors per mount (its duplicate of /dev/fuse, a
+/// control connection): the usual soft limit of 1024 would run out near 500 volumes.
+fn raise_open_file_limit() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: plain syscalls on a stack value.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0 {
+        return;
+    }
+    let wanted = limit.rlim_max.min(1 << 20);
+    if limit.rlim_cur >= wanted {
+        return;
+    }
+    let before = limit.rlim_cur;
+    limit.rlim_cur = wanted;
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) } == 0 {
+        tracing::info!(before, now = wanted, "raised the open-file limit");
+    } else {
+        tracing::warn!(
+            limit = before,
+            error = %std::io::Error::last_os_error(),
+            "cannot raise the open-file limit; about half as many volumes as that can be published"
+        );
+    }
 }
 
 #[cfg(test)]

@@ -18,6 +18,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// How long a busy mount is tried again before it is detached lazily.
+const BUSY_RETRY_FOR: Duration = Duration::from_secs(1);
+
 /// How often a starting mounter's backend is asked whether it will ever start.
 const CHECK_START_EVERY: Duration = Duration::from_secs(1);
 
@@ -180,7 +183,7 @@ impl MountManager {
             return 0;
         };
         let mounted = self.kernel.mounts();
-        let mut adopted = 0;
+        let mut adopted = Vec::new();
         for entry in dir.flatten() {
             let path = entry.path();
             if path.extension().and_then(|e| e.to_str()) != Some("state") {
@@ -194,32 +197,52 @@ impl MountManager {
                     continue;
                 }
             };
-            let target = record.target.clone();
-            let volume_id = record.volume_id.as_str();
             let is_mounted = mounted
                 .iter()
                 .rev()
-                .find(|e| e.mount_point == target)
+                .find(|e| e.mount_point == record.target)
                 .is_some_and(|e| e.is_fuse());
             let (mounter, alive) = self.backend.adopt(&record);
             if !is_mounted && !alive {
-                tracing::info!(volume_id, target = %target.display(), "forgetting a mount that is gone");
+                tracing::info!(volume_id = record.volume_id, target = %record.target.display(),
+                    "forgetting a mount that is gone");
                 let _ = std::fs::remove_file(&path);
-                let _ = std::fs::remove_dir_all(self.handoff_dir(&target));
+                let _ = std::fs::remove_dir_all(self.handoff_dir(&record.target));
                 continue;
             }
+            adopted.push((record, mounter, alive));
+        }
+        // Each mounter may take seconds to answer: ask them all at once, a batch at a time.
+        let mut descriptors = Vec::with_capacity(adopted.len());
+        for batch in adopted.chunks(64) {
+            std::thread::scope(|scope| {
+                let asks: Vec<_> = batch
+                    .iter()
+                    .map(|(record, _, alive)| {
+                        let dir = &record.handoff_dir;
+                        scope.spawn(move || {
+                            alive.then(|| handoff::collect_fd(dir, Duration::from_secs(5)))
+                        })
+                    })
+                    .collect();
+                descriptors.extend(asks.into_iter().map(|a| a.join().ok().flatten()));
+            });
+        }
+        let count = adopted.len();
+        for ((record, mounter, _), descriptor) in adopted.into_iter().zip(descriptors) {
+            let target = record.target.clone();
+            let volume_id = record.volume_id.as_str();
             let mut t = Tracked::new(
                 record.volume_id.clone(),
                 mounter,
                 record.handoff_dir.clone(),
             );
             t.replacements = record.replacements;
-            if alive {
-                match handoff::collect_fd(&record.handoff_dir, Duration::from_secs(5)) {
-                    Ok(fd) => t.fuse_fd = Some(Arc::new(fd)),
-                    Err(e) => tracing::warn!(volume_id, target = %target.display(), error = %e,
-                        "cannot collect the FUSE descriptor; this mounter cannot be replaced if it dies"),
-                }
+            match descriptor {
+                Some(Ok(fd)) => t.fuse_fd = Some(Arc::new(fd)),
+                Some(Err(e)) => tracing::warn!(volume_id, target = %target.display(), error = %e,
+                    "cannot collect the FUSE descriptor; this mounter cannot be replaced if it dies"),
+                None => {}
             }
             let env = self.backend.replacement_credentials(&record);
             t.request = Some(MountRequest {
@@ -244,9 +267,8 @@ impl MountManager {
                 "adopted mount"
             );
             self.mounts.lock().unwrap().insert(target, t);
-            adopted += 1;
         }
-        adopted
+        count
     }
 
     /// After [`Self::recover`]: lets the backend delete mounter objects that belong to no
@@ -380,14 +402,7 @@ impl MountManager {
             self.backend.release(target).await;
         }
         if self.kernel.find(target).is_some() {
-            if let Err(e) = self.kernel.unmount(target, false) {
-                tracing::warn!(error = %e, "unmount failed; waiting, then detaching lazily");
-                if !self.wait_unmounted(target, deadline).await {
-                    self.kernel.unmount(target, true).map_err(|e| {
-                        MountError::other(format!("cannot unmount {}: {e}", target.display()))
-                    })?;
-                }
-            }
+            self.unmount_or_detach(target).await?;
         }
         if let Some(m) = mounter {
             let grace = Instant::now() + Duration::from_secs(5);
@@ -398,15 +413,28 @@ impl MountManager {
         Ok(())
     }
 
-    async fn wait_unmounted(&self, target: &Path, deadline: Instant) -> bool {
+    /// `umount2`; while the mount is busy (a workload still has files open) it is tried
+    /// again for [`BUSY_RETRY_FOR`], then detached lazily: its mounter is already gone, so
+    /// nobody else would ever unmount it, and kubelet waits for us.
+    async fn unmount_or_detach(&self, target: &Path) -> Result<(), MountError> {
+        let until = Instant::now() + BUSY_RETRY_FOR;
         loop {
-            if self.kernel.find(target).is_none() {
-                return true;
+            match self.kernel.unmount(target, false) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.raw_os_error() == Some(libc::EBUSY) && Instant::now() < until => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) if self.kernel.find(target).is_none() => {
+                    tracing::debug!(error = %e, "unmounted meanwhile");
+                    return Ok(());
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "unmount failed; detaching lazily");
+                    return self.kernel.unmount(target, true).map_err(|e| {
+                        MountError::other(format!("cannot unmount {}: {e}", target.display()))
+                    });
+                }
             }
-            if Instant::now() >= deadline {
-                return false;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 }

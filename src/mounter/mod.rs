@@ -15,7 +15,8 @@
 //!   leaves mountinfo, requests wait meanwhile, and the replacement resolves the dead one's
 //!   inode numbers from `DIR/inodes.log`;
 //! - unmounts by stopping the mounter (SIGTERM or Pod deletion: it completes uploads), then
-//!   `umount2`, a lazy `MNT_DETACH` only after a timeout, then closing its descriptor.
+//!   `umount2` (a mount still busy after a second is detached lazily), then closing its
+//!   descriptor.
 //!
 //! Invariant: at most one operation runs per target at a time (the node service's
 //! in-flight guard and a lock per target); the tracking map is only a cache of what
@@ -140,7 +141,7 @@ pub const SUPERVISE_EVERY: Duration = Duration::from_millis(200);
 pub struct Timeouts {
     /// How long a mount may take to appear.
     pub mount: Duration,
-    /// How long SIGTERM and a plain unmount get before a lazy unmount.
+    /// How long a mounter gets to stop (complete its uploads) before it is killed.
     pub unmount: Duration,
 }
 

@@ -418,7 +418,7 @@ async fn a_dead_mounter_is_replaced_with_the_same_descriptor() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_busy_mount_is_detached_lazily_after_the_unmount_timeout() {
+async fn a_busy_mount_is_detached_lazily_after_a_second() {
     let node = Node::new();
     let target = node.target("d");
     node.manager.mount(node.request("d")).await.unwrap();
