@@ -15,8 +15,8 @@ use crate::config::volume::{
     Credentials, StorageClassParams, VolumeHandle, KEY_BUCKET, KEY_ENDPOINT_URL,
     KEY_FORCE_PATH_STYLE, KEY_PREFIX, KEY_REGION,
 };
-use crate::s3::aws::{AwsClient, Endpoint};
 use crate::s3::{ListRequest, ObjectClient};
+use crate::{config::Endpoint, s3::aws::AwsClient};
 use bytes::Bytes;
 use std::collections::HashMap;
 use std::path::Path;

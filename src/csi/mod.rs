@@ -16,9 +16,9 @@ pub mod identity;
 pub mod node;
 pub mod pb;
 
+use crate::config::Endpoint;
 use crate::metrics::Metered;
 use crate::mounter::{ProcessMounter, Timeouts};
-use crate::s3::aws::Endpoint;
 use error::CsiError;
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
