@@ -47,6 +47,73 @@ pub struct DemoArgs {
     pub log_level: String,
 }
 
+/// Why the demo stopped short, or could not clean up.
+#[derive(Debug, thiserror::Error)]
+enum DemoError {
+    #[error("{}: {source}", .dir.display())]
+    CreateParent {
+        dir: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot create {}: {source}", .dir.display())]
+    CreateDir {
+        dir: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot create a directory under {}", .0.display())]
+    NoFreeName(PathBuf),
+    #[error("interrupted by {0}")]
+    Interrupted(&'static str),
+    #[error(transparent)]
+    S3Server(#[from] s3server::ServerError),
+    #[error("cannot create the demo bucket: {0}")]
+    CreateBucket(s3server::store::StoreError),
+    #[error("internal error building the CSI options: {0}")]
+    CsiOptions(clap::Error),
+    #[error("the CSI services stopped at start (see the log above)")]
+    CsiStoppedAtStart,
+    #[error("{0}")]
+    CsiEndpoint(tonic::transport::Error),
+    #[error("cannot connect to {}: {source}", .socket.display())]
+    Connect {
+        socket: PathBuf,
+        source: tonic::transport::Error,
+    },
+    #[error("the CSI socket {} did not appear", .0.display())]
+    NoSocket(PathBuf),
+    #[error("CreateVolume failed: {}", status_text(.0))]
+    CreateVolume(tonic::Status),
+    #[error("CreateVolume returned no volume")]
+    NoVolume,
+    #[error("cannot create the pod directory: {0}")]
+    PodDir(std::io::Error),
+    #[error("NodePublishVolume failed: {} (mounter logs under {})", status_text(.status), .logs.display())]
+    Publish {
+        status: tonic::Status,
+        logs: PathBuf,
+    },
+    #[error("{0}")]
+    Task(#[from] tokio::task::JoinError),
+    #[error("cannot use the mount at {}: {source}", .target.display())]
+    UseMount {
+        target: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("read back {back:?} from {}", .path.display())]
+    ReadBack { back: String, path: PathBuf },
+    #[error("NodeUnpublishVolume failed: {}", status_text(.0))]
+    Unpublish(tonic::Status),
+    #[error("DeleteVolume failed: {}", status_text(.0))]
+    DeleteVolume(tonic::Status),
+    /// The CSI services' own error, as they report it (text).
+    #[error("CSI services: {0}")]
+    CsiServices(String),
+    #[error("CSI services: {0}")]
+    CsiServicesTask(tokio::task::JoinError),
+    #[error("the CSI services did not stop within 10s")]
+    CsiStopTimeout,
+}
+
 /// Writes one line to stdout at once (a test or a script may be waiting for it).
 fn say(text: impl AsRef<str>) {
     let mut out = std::io::stdout().lock();
@@ -54,9 +121,12 @@ fn say(text: impl AsRef<str>) {
     let _ = out.flush();
 }
 
-fn make_temp_dir(parent: &Path) -> Result<PathBuf, String> {
+fn make_temp_dir(parent: &Path) -> Result<PathBuf, DemoError> {
     use std::os::unix::fs::PermissionsExt;
-    std::fs::create_dir_all(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
+    std::fs::create_dir_all(parent).map_err(|source| DemoError::CreateParent {
+        dir: parent.to_path_buf(),
+        source,
+    })?;
     for n in 0..1000u32 {
         let dir = parent.join(format!("s3csi-demo-{}-{n}", std::process::id()));
         match std::fs::create_dir(&dir) {
@@ -65,13 +135,10 @@ fn make_temp_dir(parent: &Path) -> Result<PathBuf, String> {
                 return Ok(dir);
             }
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
-            Err(e) => return Err(format!("cannot create {}: {e}", dir.display())),
+            Err(source) => return Err(DemoError::CreateDir { dir, source }),
         }
     }
-    Err(format!(
-        "cannot create a directory under {}",
-        parent.display()
-    ))
+    Err(DemoError::NoFreeName(parent.to_path_buf()))
 }
 
 /// `s3csi demo`. Returns the exit code.
@@ -142,7 +209,7 @@ fn capability() -> pb::VolumeCapability {
     }
 }
 
-fn status_text(s: tonic::Status) -> String {
+fn status_text(s: &tonic::Status) -> String {
     format!("{:?}: {}", s.code(), s.message())
 }
 
@@ -173,8 +240,8 @@ impl Demo {
         };
         let result = tokio::select! {
             r = self.start() => r,
-            _ = term.recv() => Err("interrupted by SIGTERM".to_string()),
-            _ = int.recv() => Err("interrupted by SIGINT".to_string()),
+            _ = term.recv() => Err(DemoError::Interrupted("SIGTERM")),
+            _ = int.recv() => Err(DemoError::Interrupted("SIGINT")),
         };
         let mut code = 0;
         match result {
@@ -200,7 +267,7 @@ impl Demo {
         code
     }
 
-    async fn start(&mut self) -> Result<(), String> {
+    async fn start(&mut self) -> Result<(), DemoError> {
         let root = self.root.clone();
         // 1. The S3 server, with a bucket.
         let server = s3server::start(s3server::ServerConfig {
@@ -213,7 +280,7 @@ impl Demo {
         server
             .store
             .create_bucket(DEMO_BUCKET)
-            .map_err(|e| format!("cannot create the demo bucket: {e}"))?;
+            .map_err(DemoError::CreateBucket)?;
         let endpoint = server.endpoint();
         self.server = Some(server);
         say(format!(
@@ -240,7 +307,7 @@ impl Demo {
             "--s3-force-path-style".into(),
             "--unmount-timeout=10".into(),
         ])
-        .map_err(|e| format!("internal error building the CSI options: {e}"))?
+        .map_err(DemoError::CsiOptions)?
         .csi;
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         self.csi_stop = Some(tx);
@@ -271,10 +338,10 @@ impl Demo {
                 ..Default::default()
             })
             .await
-            .map_err(|s| format!("CreateVolume failed: {}", status_text(s)))?
+            .map_err(DemoError::CreateVolume)?
             .into_inner()
             .volume
-            .ok_or("CreateVolume returned no volume")?;
+            .ok_or(DemoError::NoVolume)?;
         say(format!(
             "s3csi demo: CreateVolume {VOLUME_NAME} -> volume id {}",
             volume.volume_id
@@ -288,7 +355,7 @@ impl Demo {
             .join("volumes")
             .join("mount");
         std::fs::create_dir_all(target.parent().expect("has a parent"))
-            .map_err(|e| format!("cannot create the pod directory: {e}"))?;
+            .map_err(DemoError::PodDir)?;
         self.published = Some(target.clone());
         NodeClient::new(channel.clone())
             .node_publish_volume(pb::NodePublishVolumeRequest {
@@ -300,12 +367,9 @@ impl Demo {
                 ..Default::default()
             })
             .await
-            .map_err(|s| {
-                format!(
-                    "NodePublishVolume failed: {} (mounter logs under {})",
-                    status_text(s),
-                    state_dir.display()
-                )
+            .map_err(|status| DemoError::Publish {
+                status,
+                logs: state_dir.clone(),
             })?;
 
         // 5. Use it.
@@ -315,14 +379,19 @@ impl Demo {
             std::fs::write(&path, HELLO_TEXT)?;
             std::fs::read_to_string(&path)
         })
-        .await
-        .map_err(|e| e.to_string())?
-        .map_err(|e| format!("cannot use the mount at {}: {e}", target.display()))
+        .await?
+        .map_err(|source| DemoError::UseMount {
+            target: target.clone(),
+            source,
+        })
         .and_then(|back| {
             if back == HELLO_TEXT {
                 Ok(())
             } else {
-                Err(format!("read back {back:?} from {}", hello.display()))
+                Err(DemoError::ReadBack {
+                    back,
+                    path: hello.clone(),
+                })
             }
         })?;
         let key = format!(
@@ -355,40 +424,40 @@ impl Demo {
         Ok(())
     }
 
-    async fn connect(&self, socket: &Path) -> Result<Channel, String> {
+    async fn connect(&self, socket: &Path) -> Result<Channel, DemoError> {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             if let Some(task) = &self.csi_task {
                 if task.is_finished() {
-                    return Err("the CSI services stopped at start (see the log above)".into());
+                    return Err(DemoError::CsiStoppedAtStart);
                 }
             }
             if std::os::unix::net::UnixStream::connect(socket).is_ok() {
                 let ep =
                     tonic::transport::Endpoint::from_shared(format!("unix://{}", socket.display()))
-                        .map_err(|e| e.to_string())?;
+                        .map_err(DemoError::CsiEndpoint)?;
                 match ep.connect().await {
                     Ok(c) => return Ok(c),
-                    Err(e) if Instant::now() > deadline => {
-                        return Err(format!("cannot connect to {}: {e}", socket.display()))
+                    Err(source) if Instant::now() > deadline => {
+                        return Err(DemoError::Connect {
+                            socket: socket.to_path_buf(),
+                            source,
+                        })
                     }
                     Err(_) => {}
                 }
             }
             if Instant::now() > deadline {
-                return Err(format!(
-                    "the CSI socket {} did not appear",
-                    socket.display()
-                ));
+                return Err(DemoError::NoSocket(socket.to_path_buf()));
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
     /// Undoes whatever was started, in reverse order; reports the first failure.
-    async fn stop(&mut self) -> Result<(), String> {
-        let mut first_error: Option<String> = None;
-        let mut fail = |e: String| {
+    async fn stop(&mut self) -> Result<(), DemoError> {
+        let mut first_error: Option<DemoError> = None;
+        let mut fail = |e: DemoError| {
             eprintln!("s3csi demo: {e}");
             first_error.get_or_insert(e);
         };
@@ -406,7 +475,7 @@ impl Demo {
                     "s3csi demo: NodeUnpublishVolume {}",
                     target.display()
                 )),
-                Err(s) => fail(format!("NodeUnpublishVolume failed: {}", status_text(s))),
+                Err(s) => fail(DemoError::Unpublish(s)),
             }
         }
         if let (Some(channel), Some(volume)) = (&self.channel, self.volume.take()) {
@@ -418,7 +487,7 @@ impl Demo {
                 .await
             {
                 Ok(_) => say(format!("s3csi demo: DeleteVolume {}", volume.volume_id)),
-                Err(s) => fail(format!("DeleteVolume failed: {}", status_text(s))),
+                Err(s) => fail(DemoError::DeleteVolume(s)),
             }
         }
         self.channel = None;
@@ -428,9 +497,9 @@ impl Demo {
         if let Some(task) = self.csi_task.take() {
             match tokio::time::timeout(Duration::from_secs(10), task).await {
                 Ok(Ok(Ok(()))) => {}
-                Ok(Ok(Err(e))) => fail(format!("CSI services: {e}")),
-                Ok(Err(e)) => fail(format!("CSI services: {e}")),
-                Err(_) => fail("the CSI services did not stop within 10s".into()),
+                Ok(Ok(Err(e))) => fail(DemoError::CsiServices(e)),
+                Ok(Err(e)) => fail(DemoError::CsiServicesTask(e)),
+                Err(_) => fail(DemoError::CsiStopTimeout),
             }
         }
         if let Some(server) = self.server.take() {

@@ -35,16 +35,34 @@ pub enum MetricsAddress {
     Ip(SocketAddr),
 }
 
-impl FromStr for MetricsAddress {
-    type Err = String;
+/// A `--metrics-address` that is not one.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{0:?} is not HOST:PORT with an IP address \
+     (e.g. 0.0.0.0:9809, 127.0.0.1:9809, [::]:9809, or :9809 for every interface)"
+)]
+pub struct BadMetricsAddress(String);
 
-    fn from_str(s: &str) -> Result<Self, String> {
-        let bad = || {
-            format!(
-                "{s:?} is not HOST:PORT with an IP address \
-                 (e.g. 0.0.0.0:9809, 127.0.0.1:9809, [::]:9809, or :9809 for every interface)"
-            )
-        };
+/// The metrics port cannot be opened.
+#[derive(Debug, thiserror::Error)]
+#[error("--metrics-address {address}: cannot listen: {source}")]
+pub struct MetricsListenError {
+    address: MetricsAddress,
+    source: std::io::Error,
+}
+
+/// For callers that still carry errors as text (the CSI services' start).
+impl From<MetricsListenError> for String {
+    fn from(e: MetricsListenError) -> String {
+        e.to_string()
+    }
+}
+
+impl FromStr for MetricsAddress {
+    type Err = BadMetricsAddress;
+
+    fn from_str(s: &str) -> Result<Self, BadMetricsAddress> {
+        let bad = || BadMetricsAddress(s.to_string());
         match s.strip_prefix(':') {
             Some(port) => port.parse().map(Self::Any).map_err(|_| bad()),
             None => s.parse().map(Self::Ip).map_err(|_| bad()),
@@ -63,7 +81,7 @@ impl std::fmt::Display for MetricsAddress {
 
 impl MetricsAddress {
     /// Opens the listening socket (so that a port in use fails at startup).
-    pub async fn bind(self) -> Result<tokio::net::TcpListener, String> {
+    pub async fn bind(self) -> Result<tokio::net::TcpListener, MetricsListenError> {
         use tokio::net::TcpListener;
         let result = match self {
             Self::Ip(addr) => TcpListener::bind(addr).await,
@@ -76,7 +94,10 @@ impl MetricsAddress {
                 Err(e) => Err(e),
             },
         };
-        result.map_err(|e| format!("--metrics-address {self}: cannot listen: {e}"))
+        result.map_err(|source| MetricsListenError {
+            address: self,
+            source,
+        })
     }
 }
 
@@ -393,7 +414,7 @@ mod tests {
             "0.0.0.0",
             "1.2.3.4:x",
         ] {
-            let err = bad.parse::<MetricsAddress>().unwrap_err();
+            let err = bad.parse::<MetricsAddress>().unwrap_err().to_string();
             assert!(err.contains("HOST:PORT"), "{bad}: {err}");
         }
     }

@@ -7,7 +7,9 @@ use anyhow::{bail, Context, Result};
 use bytes::{Bytes, BytesMut};
 use clap::{Parser, Subcommand};
 use futures::{StreamExt, TryStreamExt};
-use s3csi::s3::aws::{AwsClient, Endpoint};
+use s3csi::config::units::parse_size;
+use s3csi::config::Endpoint;
+use s3csi::s3::aws::AwsClient;
 use s3csi::s3::ObjectClient;
 use std::io::{Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
@@ -139,23 +141,6 @@ enum FsOp {
         #[arg(long, default_value = "all")]
         phase: String,
     },
-}
-
-fn parse_size(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let split = s
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let num: f64 = num.parse().map_err(|_| format!("bad size {s:?}"))?;
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => 1 << 20,
-        "g" | "gb" | "gib" => 1 << 30,
-        _ => return Err(format!("bad size unit in {s:?}")),
-    };
-    Ok((num * mult as f64) as u64)
 }
 
 async fn client(s3: &S3Args) -> AwsClient {

@@ -20,46 +20,85 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-fn check_mountpoint(path: &Path) -> Result<PathBuf, String> {
+/// Why `s3csi mount` cannot get as far as mounting: each says so in one line.
+#[derive(Debug, thiserror::Error)]
+enum MountCommandError {
+    #[error("mountpoint {}: {source}", .path.display())]
+    Mountpoint {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("mountpoint {} is not a directory", .0.display())]
+    NotADirectory(PathBuf),
+    #[error("mountpoint {} is already mounted", .0.display())]
+    AlreadyMounted(PathBuf),
+    #[error("bucket {0:?} does not exist")]
+    NoSuchBucket(String),
+    #[error(
+        "access to bucket {bucket:?} denied ({detail}); check the credentials from the AWS default chain"
+    )]
+    AccessDenied { bucket: String, detail: String },
+    #[error("cannot reach S3 endpoint {endpoint}: {detail}")]
+    Unreachable { endpoint: String, detail: String },
+    #[error("S3 endpoint {0} did not answer in time")]
+    Timeout(String),
+    #[error("cannot access bucket {bucket:?}: {source}")]
+    Bucket { bucket: String, source: S3Error },
+    #[error("pipe: {0}")]
+    Pipe(nix::errno::Errno),
+    #[error("fork: {0}")]
+    Fork(nix::errno::Errno),
+}
+
+impl MountCommandError {
+    /// What the node service makes of it (the gRPC status kubelet gets).
+    fn kind(&self) -> FailureKind {
+        match self {
+            Self::NoSuchBucket(_) => FailureKind::NotFound,
+            Self::AccessDenied { .. } => FailureKind::PermissionDenied,
+            _ => FailureKind::Other,
+        }
+    }
+}
+
+fn check_mountpoint(path: &Path) -> Result<PathBuf, MountCommandError> {
     let canonical =
-        std::fs::canonicalize(path).map_err(|e| format!("mountpoint {}: {e}", path.display()))?;
+        std::fs::canonicalize(path).map_err(|source| MountCommandError::Mountpoint {
+            path: path.to_path_buf(),
+            source,
+        })?;
     if !canonical.is_dir() {
-        return Err(format!("mountpoint {} is not a directory", path.display()));
+        return Err(MountCommandError::NotADirectory(path.to_path_buf()));
     }
     if crate::mounter::mountinfo::find(&canonical).is_some() {
-        return Err(format!("mountpoint {} is already mounted", path.display()));
+        return Err(MountCommandError::AlreadyMounted(path.to_path_buf()));
     }
     Ok(canonical)
 }
 
-/// One clear line for the usual ways the first S3 request fails, and what kind of failure
-/// it is for the node service.
-fn describe_access_error(cfg: &MountConfig, e: &S3Error) -> Failure {
-    let bucket = &cfg.source.bucket;
-    let kind = match e {
-        S3Error::NoSuchBucket => FailureKind::NotFound,
-        S3Error::AccessDenied(_) => FailureKind::PermissionDenied,
-        _ => FailureKind::Other,
+/// One clear line for the usual ways the first S3 request fails.
+fn describe_access_error(cfg: &MountConfig, e: S3Error) -> MountCommandError {
+    let bucket = cfg.source.bucket.clone();
+    let endpoint = || {
+        cfg.endpoint
+            .endpoint_url
+            .as_deref()
+            .unwrap_or("(AWS default)")
+            .to_string()
     };
-    let message = match e {
-        S3Error::NoSuchBucket => format!("bucket {bucket:?} does not exist"),
-        S3Error::AccessDenied(detail) => format!(
-            "access to bucket {bucket:?} denied ({detail}); check the credentials from the AWS default chain"
-        ),
-        S3Error::Unreachable(detail) => format!(
-            "cannot reach S3 endpoint {}: {detail}",
-            cfg.endpoint.endpoint_url.as_deref().unwrap_or("(AWS default)")
-        ),
-        S3Error::Timeout => format!(
-            "S3 endpoint {} did not answer in time",
-            cfg.endpoint.endpoint_url.as_deref().unwrap_or("(AWS default)")
-        ),
-        other => format!("cannot access bucket {bucket:?}: {other}"),
-    };
-    Failure::new(kind, message)
+    match e {
+        S3Error::NoSuchBucket => MountCommandError::NoSuchBucket(bucket),
+        S3Error::AccessDenied(detail) => MountCommandError::AccessDenied { bucket, detail },
+        S3Error::Unreachable(detail) => MountCommandError::Unreachable {
+            endpoint: endpoint(),
+            detail,
+        },
+        S3Error::Timeout => MountCommandError::Timeout(endpoint()),
+        source => MountCommandError::Bucket { bucket, source },
+    }
 }
 
-async fn check_bucket(client: &AwsClient, cfg: &MountConfig) -> Result<(), Failure> {
+async fn check_bucket(client: &AwsClient, cfg: &MountConfig) -> Result<(), MountCommandError> {
     let probe = client.list(ListRequest {
         prefix: &cfg.source.prefix,
         delimiter: Some("/"),
@@ -68,8 +107,8 @@ async fn check_bucket(client: &AwsClient, cfg: &MountConfig) -> Result<(), Failu
     });
     match tokio::time::timeout(Duration::from_secs(20), probe).await {
         Ok(Ok(_)) => Ok(()),
-        Ok(Err(e)) => Err(describe_access_error(cfg, &e)),
-        Err(_) => Err(describe_access_error(cfg, &S3Error::Timeout)),
+        Ok(Err(e)) => Err(describe_access_error(cfg, e)),
+        Err(_) => Err(describe_access_error(cfg, S3Error::Timeout)),
     }
 }
 
@@ -85,11 +124,10 @@ impl Readiness {
 }
 
 /// Forks; the parent waits for the child's verdict and exits with it.
-fn detach() -> Result<Readiness, String> {
-    let (read, write): (OwnedFd, OwnedFd) =
-        nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
+fn detach() -> Result<Readiness, MountCommandError> {
+    let (read, write): (OwnedFd, OwnedFd) = nix::unistd::pipe().map_err(MountCommandError::Pipe)?;
     // SAFETY: called before any thread exists (no runtime, no logger threads yet).
-    match unsafe { nix::unistd::fork() }.map_err(|e| format!("fork: {e}"))? {
+    match unsafe { nix::unistd::fork() }.map_err(MountCommandError::Fork)? {
         nix::unistd::ForkResult::Parent { .. } => {
             drop(write);
             let mut msg = String::new();
@@ -163,12 +201,12 @@ pub fn run_mount_command(args: MountArgs) -> i32 {
     }
     let mountpoint = match check_mountpoint(&args.mountpoint) {
         Ok(p) => p,
-        Err(e) => return fail(&mut ready, e),
+        Err(e) => return fail(&mut ready, e.to_string()),
     };
     if !args.foreground {
         match detach() {
             Ok(r) => ready = r,
-            Err(e) => return fail(&mut ready, e),
+            Err(e) => return fail(&mut ready, e.to_string()),
         }
         redirect_stdio(args.log_file.as_deref());
     } else if let Some(p) = &args.log_file {
@@ -191,8 +229,8 @@ pub fn run_mount_command(args: MountArgs) -> i32 {
         Err(e) => return fail(&mut ready, format!("cannot start runtime: {e}")),
     };
     let client = rt.block_on(AwsClient::new(&cfg.source.bucket, &cfg.endpoint));
-    if let Err(failure) = rt.block_on(check_bucket(&client, &cfg)) {
-        return fail(&mut ready, failure.message);
+    if let Err(e) = rt.block_on(check_bucket(&client, &cfg)) {
+        return fail(&mut ready, e.to_string());
     }
     let fs = Arc::new(S3Fs::new(Arc::new(client), FsConfig::from(&cfg)));
     let adapter = FuseAdapter::new(fs.clone(), rt.handle().clone());
@@ -326,8 +364,8 @@ fn run_handoff(args: &MountArgs, cfg: &MountConfig, dir: &Path) -> i32 {
     if !args.recover {
         // A replacement serves even while S3 is unreachable: requests fail with EIO
         // instead of hanging until S3 answers.
-        if let Err(failure) = rt.block_on(check_bucket(&client, cfg)) {
-            return fail_as(failure.kind, failure.message);
+        if let Err(e) = rt.block_on(check_bucket(&client, cfg)) {
+            return fail_as(e.kind(), e.to_string());
         }
     }
     let sock = handoff::control_socket(dir);
@@ -373,10 +411,10 @@ fn run_handoff(args: &MountArgs, cfg: &MountConfig, dir: &Path) -> i32 {
     };
     let background = match serve_descriptor(&fs, acl, &files, &fuse_fd, args.recover, &rt) {
         Ok(b) => b,
-        Err(msg) => {
-            let refusal = handoff::refusal(&Failure::new(FailureKind::Other, msg.clone()));
-            let _ = handoff::send(&conn, &refusal, None);
-            return fail(msg);
+        Err(e) => {
+            let failure = Failure::new(FailureKind::Other, e.to_string());
+            let _ = handoff::send(&conn, &handoff::refusal(&failure), None);
+            return fail(e.to_string());
         }
     };
     tracing::info!(

@@ -1,104 +1,38 @@
 //! The `s3csi mount` command line: flags, `-o` lists and mount(8)'s helper conventions,
 //! turned into one [`MountConfig`].
+//!
+//! The flags are built from [`MOUNT_OPTIONS`] with clap's builder API (the derive would
+//! need every option written again as a struct field, with its name, help and default),
+//! so a row of the table is a flag, with its real default in `--help`.
 
+use super::options::{OptionId, OptionSpec, MOUNT_OPTIONS};
 use super::{BucketSource, MountConfig, MountOptionError};
-use clap::Args;
+use clap::{Arg, ArgAction, ArgMatches, Command, FromArgMatches};
 use std::path::PathBuf;
 
-#[derive(Args, Debug)]
-#[command(about = "Mount an S3 bucket (or a prefix of it) on a directory", after_help = MOUNT_HELP)]
+/// What `s3csi mount` was given; [`MountArgs::to_config`] parses the mount's part of it.
+#[derive(Debug, Clone)]
 pub struct MountArgs {
-    /// BUCKET or BUCKET:PREFIX
+    /// `BUCKET` or `BUCKET:PREFIX`.
     pub source: String,
-    /// Existing empty directory to mount on
     pub mountpoint: PathBuf,
-    /// S3 endpoint, for S3-compatible stores (e.g. http://127.0.0.1:9000)
-    #[arg(long, value_name = "URL")]
-    pub endpoint_url: Option<String>,
-    /// AWS region (default: from the environment / profile, else us-east-1)
-    #[arg(long)]
-    pub region: Option<String>,
-    /// Address the bucket as ENDPOINT/BUCKET instead of BUCKET.ENDPOINT
-    #[arg(long)]
-    pub force_path_style: bool,
-    /// Mount only keys under this prefix (same as BUCKET:PREFIX)
-    #[arg(long)]
-    pub prefix: Option<String>,
-    /// Refuse every change
-    #[arg(long)]
-    pub read_only: bool,
-    /// Owner of all files (default: the mounting user)
-    #[arg(long)]
-    pub uid: Option<String>,
-    /// Group of all files (default: the mounting user's group)
-    #[arg(long)]
-    pub gid: Option<String>,
-    /// Permission bits of files, octal [default: 0644]
-    #[arg(long, value_name = "MODE")]
-    pub file_mode: Option<String>,
-    /// Permission bits of directories, octal [default: 0755]
-    #[arg(long, value_name = "MODE")]
-    pub dir_mode: Option<String>,
-    /// Let users other than the mounting one access the mount
-    #[arg(long)]
-    pub allow_other: bool,
-    /// Let root access the mount too
-    #[arg(long)]
-    pub allow_root: bool,
-    /// Stay in the foreground instead of detaching once mounted
-    #[arg(long)]
     pub foreground: bool,
-    /// How long metadata from S3 is trusted, e.g. 1s, 500ms, 5m [default: 1s]
-    #[arg(long, value_name = "DURATION")]
-    pub metadata_ttl: Option<String>,
-    /// Multipart upload part size, 5MiB..5GiB; doubles every 1000 parts [default: 8MiB]
-    #[arg(long, value_name = "SIZE")]
-    pub part_size: Option<String>,
-    /// Maximum parallel S3 requests per open file [default: 16]
-    #[arg(long, value_name = "N")]
-    pub max_concurrency: Option<String>,
-    /// Read-ahead memory shared by all open files [default: 512MiB]
-    #[arg(long, value_name = "SIZE")]
-    pub max_prefetch_memory: Option<String>,
-    /// Memory for upload parts in flight, shared by all files being written [default: 256MiB]
-    #[arg(long, value_name = "SIZE")]
-    pub max_upload_memory: Option<String>,
-    /// Make close of a new empty file wait until the object is in S3
-    #[arg(long)]
-    pub sync_create: bool,
-    /// Make every unlink wait until S3 has deleted the object
-    #[arg(long)]
-    pub sync_delete: bool,
-    /// Let the kernel cache file data while a file is open (default: direct I/O, which
-    /// copies reads and writes once, on Linux 6.6+; see README "Semantics")
-    #[arg(long)]
-    pub page_cache: bool,
-    /// Log every request at debug level
-    #[arg(long)]
-    pub debug: bool,
-    /// Write logs here (default: stderr; /dev/null once detached)
-    #[arg(long, value_name = "PATH")]
     pub log_file: Option<PathBuf>,
-    /// Options as mount(8) passes them: name[=value],... (same names as the flags)
-    #[arg(short = 'o', value_name = "OPTS")]
-    pub options: Vec<String>,
-    /// Ignored; mount(8) passes it to helpers
-    #[arg(short = 'n', hide = true)]
-    pub no_mtab: bool,
-    /// Ignored; mount(8) passes it to helpers
-    #[arg(short = 's', hide = true)]
-    pub sloppy: bool,
-    /// Ignored; mount(8) passes it to helpers
-    #[arg(short = 'v', hide = true)]
-    pub verbose: bool,
-    /// (CSI node service only) do not mount: serve the /dev/fuse descriptor the node
-    /// service hands over on DIR/control.sock, and keep crash-recovery state in DIR
-    #[arg(long, hide = true, value_name = "DIR")]
+    /// (CSI node service only) serve the descriptor handed over in this directory.
     pub handoff_dir: Option<PathBuf>,
-    /// (CSI node service only) with --handoff-dir: take over from a mounter that died
-    #[arg(long, hide = true, requires = "handoff_dir")]
+    /// (CSI node service only) with `handoff_dir`: take over from a mounter that died.
     pub recover: bool,
+    /// The `-o` lists, in order.
+    pub option_lists: Vec<String>,
+    /// Mount options given as flags, with their values (`None` for a switch).
+    flags: Vec<(&'static OptionSpec, Option<String>)>,
 }
+
+const SOURCE: &str = "source";
+const MOUNTPOINT: &str = "mountpoint";
+const OPTION_LISTS: &str = "options";
+const HANDOFF_DIR: &str = "handoff-dir";
+const RECOVER: &str = "recover";
 
 const MOUNT_HELP: &str = "\
 Credentials come only from the AWS SDK default chain: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY,
@@ -109,47 +43,290 @@ As a mount(8) helper (install the binary as /sbin/mount.s3csi):
   mount -t s3csi my-bucket:some/prefix /mnt/data -o allow-other,uid=1000
   fstab: my-bucket /mnt/data s3csi _netdev,allow-other,region=eu-west-1 0 0";
 
+fn flag_of(spec: &'static OptionSpec) -> Arg {
+    let arg = Arg::new(spec.name).long(spec.name).help(spec.help_line());
+    match spec.placeholder() {
+        Some(placeholder) => {
+            let arg = arg.value_name(placeholder).action(ArgAction::Set);
+            if spec.id == OptionId::LogFile {
+                arg.value_parser(clap::value_parser!(PathBuf))
+            } else {
+                // Parsed by `MountConfig::apply_option`, after the `-o` lists.
+                arg.value_parser(clap::value_parser!(String))
+            }
+        }
+        None => arg.action(ArgAction::SetTrue),
+    }
+}
+
+/// mount(8) passes these to every helper; they mean nothing here.
+fn ignored_mount8_flag(short: char, id: &'static str) -> Arg {
+    Arg::new(id)
+        .short(short)
+        .action(ArgAction::SetTrue)
+        .hide(true)
+        .help("Ignored; mount(8) passes it to helpers")
+}
+
+impl clap::Args for MountArgs {
+    fn augment_args(cmd: Command) -> Command {
+        let cmd = cmd
+            .about("Mount an S3 bucket (or a prefix of it) on a directory")
+            .after_help(MOUNT_HELP)
+            .arg(
+                Arg::new(SOURCE)
+                    .required(true)
+                    .value_name("SOURCE")
+                    .help("BUCKET or BUCKET:PREFIX"),
+            )
+            .arg(
+                Arg::new(MOUNTPOINT)
+                    .required(true)
+                    .value_name("MOUNTPOINT")
+                    .value_parser(clap::value_parser!(PathBuf))
+                    .help("Existing empty directory to mount on"),
+            );
+        let cmd = MOUNT_OPTIONS
+            .iter()
+            .fold(cmd, |cmd, spec| cmd.arg(flag_of(spec)));
+        cmd.arg(
+            Arg::new(OPTION_LISTS)
+                .short('o')
+                .value_name("OPTS")
+                .action(ArgAction::Append)
+                .help(
+                    "Options as mount(8) passes them: name[=value],... (same names as the flags)",
+                ),
+        )
+        .arg(ignored_mount8_flag('n', "no-mtab"))
+        .arg(ignored_mount8_flag('s', "sloppy"))
+        .arg(ignored_mount8_flag('v', "verbose"))
+        .arg(
+            Arg::new(HANDOFF_DIR)
+                .long(HANDOFF_DIR)
+                .value_name("DIR")
+                .value_parser(clap::value_parser!(PathBuf))
+                .hide(true)
+                .help(
+                    "(CSI node service only) do not mount: serve the /dev/fuse descriptor the \
+                     node service hands over on DIR/control.sock, and keep crash-recovery state \
+                     in DIR",
+                ),
+        )
+        .arg(
+            Arg::new(RECOVER)
+                .long(RECOVER)
+                .action(ArgAction::SetTrue)
+                .requires(HANDOFF_DIR)
+                .hide(true)
+                .help("(CSI node service only) with --handoff-dir: take over from a mounter that died"),
+        )
+    }
+
+    fn augment_args_for_update(cmd: Command) -> Command {
+        Self::augment_args(cmd)
+    }
+}
+
+impl FromArgMatches for MountArgs {
+    fn from_arg_matches(m: &ArgMatches) -> Result<Self, clap::Error> {
+        let process_flag = |id: OptionId| OptionSpec::of(id).name;
+        let flags = MOUNT_OPTIONS
+            .iter()
+            .filter(|spec| spec.is_mount_option())
+            .filter_map(|spec| {
+                if spec.takes_value() {
+                    let value = m.get_one::<String>(spec.name)?;
+                    Some((spec, Some(value.clone())))
+                } else {
+                    m.get_flag(spec.name).then_some((spec, None))
+                }
+            })
+            .collect();
+        Ok(Self {
+            source: m.get_one::<String>(SOURCE).cloned().unwrap_or_default(),
+            mountpoint: m
+                .get_one::<PathBuf>(MOUNTPOINT)
+                .cloned()
+                .unwrap_or_default(),
+            foreground: m.get_flag(process_flag(OptionId::Foreground)),
+            log_file: m
+                .get_one::<PathBuf>(process_flag(OptionId::LogFile))
+                .cloned(),
+            handoff_dir: m.get_one::<PathBuf>(HANDOFF_DIR).cloned(),
+            recover: m.get_flag(RECOVER),
+            option_lists: m
+                .get_many::<String>(OPTION_LISTS)
+                .map(|lists| lists.cloned().collect())
+                .unwrap_or_default(),
+            flags,
+        })
+    }
+
+    fn update_from_arg_matches(&mut self, m: &ArgMatches) -> Result<(), clap::Error> {
+        *self = Self::from_arg_matches(m)?;
+        Ok(())
+    }
+}
+
 impl MountArgs {
     /// Turns the command line into a validated [`MountConfig`]. `-o` options apply first,
     /// explicit flags override them.
     pub fn to_config(&self) -> Result<MountConfig, MountOptionError> {
         let mut cfg = MountConfig::new(BucketSource::parse(&self.source)?);
-        for list in &self.options {
+        for list in &self.option_lists {
             cfg.apply_option_list(list)?;
         }
-        let valued = [
-            ("endpoint-url", &self.endpoint_url),
-            ("region", &self.region),
-            ("prefix", &self.prefix),
-            ("uid", &self.uid),
-            ("gid", &self.gid),
-            ("file-mode", &self.file_mode),
-            ("dir-mode", &self.dir_mode),
-            ("metadata-ttl", &self.metadata_ttl),
-            ("part-size", &self.part_size),
-            ("max-concurrency", &self.max_concurrency),
-            ("max-prefetch-memory", &self.max_prefetch_memory),
-            ("max-upload-memory", &self.max_upload_memory),
-        ];
-        for (name, value) in valued {
-            if let Some(v) = value {
-                cfg.apply_option(name, Some(v))?;
-            }
-        }
-        for (name, on) in [
-            ("force-path-style", self.force_path_style),
-            ("read-only", self.read_only),
-            ("allow-other", self.allow_other),
-            ("allow-root", self.allow_root),
-            ("sync-create", self.sync_create),
-            ("sync-delete", self.sync_delete),
-            ("page-cache", self.page_cache),
-            ("debug", self.debug),
-        ] {
-            if on {
-                cfg.apply_option(name, None)?;
-            }
+        for (spec, value) in &self.flags {
+            cfg.apply_option(spec.name, value.as_deref())?;
         }
         Ok(cfg)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::options::OptionValue;
+    use clap::Parser;
+    use std::time::Duration;
+
+    #[derive(Parser, Debug)]
+    struct Cli {
+        #[command(flatten)]
+        mount: MountArgs,
+    }
+
+    /// `s3csi mount ARGS SOURCE /mnt/x` as the mounter parses it; clap must accept it.
+    fn parse(args: &[String], source: &str) -> Result<MountConfig, MountOptionError> {
+        let mut argv = vec!["s3csi".to_string()];
+        argv.extend(args.iter().cloned());
+        argv.extend([source.to_string(), "/mnt/x".to_string()]);
+        let cli = Cli::try_parse_from(&argv).unwrap_or_else(|e| panic!("{argv:?}: {e}"));
+        cli.mount.to_config()
+    }
+
+    #[test]
+    fn help_lists_every_option_with_its_default() {
+        let help = <Cli as clap::CommandFactory>::command()
+            .render_help()
+            .to_string();
+        for spec in MOUNT_OPTIONS {
+            let line = help
+                .lines()
+                .find(|l| l.trim_start().starts_with(&format!("--{} ", spec.name)))
+                .unwrap_or_else(|| panic!("--{} missing from\n{help}", spec.name));
+            assert!(line.contains(&spec.help_line()), "{line}");
+            if let OptionValue::Text { placeholder, .. } = spec.value {
+                assert!(line.contains(&format!("<{placeholder}>")), "{line}");
+                assert!(line.contains("[default: "), "{line}");
+            }
+        }
+        assert!(help.contains("--metadata-ttl <DURATION>"), "{help}");
+        assert!(help.contains("[default: 5s]"), "{help}");
+        assert!(!help.contains("handoff"), "{help}");
+    }
+
+    #[test]
+    fn flags_override_option_lists() {
+        let args: Vec<String> = ["-o", "uid=7,ro", "--uid", "8", "-o", "gid=9", "-n"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let c = parse(&args, "bkt:p").unwrap();
+        assert_eq!((c.uid, c.gid, c.read_only), (8, 9, true));
+        assert_eq!(c.source.prefix, "p/");
+        let err = parse(&["--uid=x".to_string()], "bkt")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("mount option \"uid\""), "{err}");
+        // Process flags are flags only.
+        assert!(parse(&["--foreground".to_string()], "bkt").is_ok());
+        let err = parse(&["-o".to_string(), "foreground".to_string()], "bkt")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("unknown mount option \"foreground\""), "{err}");
+    }
+
+    /// Tiny deterministic generator: the property below needs variety, not quality.
+    struct Rng(u64);
+
+    impl Rng {
+        fn below(&mut self, n: u64) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0 % n.max(1)
+        }
+
+        fn chance(&mut self) -> bool {
+            self.below(2) == 0
+        }
+
+        fn pick<'a>(&mut self, items: &[&'a str]) -> &'a str {
+            items[self.below(items.len() as u64) as usize]
+        }
+    }
+
+    /// A random valid configuration, by fields (not through the parser it checks).
+    fn random_config(rng: &mut Rng) -> MountConfig {
+        let prefix = rng.pick(&["", "p", "a/b", "x y,z=1", "-dash", "日本"]);
+        let mut c = MountConfig::new(BucketSource::new("bkt", prefix).unwrap());
+        if rng.chance() {
+            c.endpoint.endpoint_url = Some(
+                rng.pick(&["http://127.0.0.1:9000", "https://s3.example/a?b=c"])
+                    .into(),
+            );
+        }
+        if rng.chance() {
+            c.endpoint.region = Some(rng.pick(&["eu-west-1", "us-east-1", "x"]).into());
+        }
+        c.endpoint.force_path_style = rng.chance();
+        c.read_only = rng.chance();
+        c.allow_other = rng.chance();
+        c.allow_root = rng.chance();
+        c.sync_create = rng.chance();
+        c.sync_delete = rng.chance();
+        c.page_cache = rng.chance();
+        c.debug = rng.chance();
+        if rng.chance() {
+            c.uid = rng.below(u32::MAX as u64) as u32;
+            c.gid = rng.below(u32::MAX as u64) as u32;
+        }
+        if rng.chance() {
+            c.file_mode = rng.below(0o1000) as u16;
+            c.dir_mode = rng.below(0o1000) as u16;
+        }
+        if rng.chance() {
+            c.metadata_ttl = match rng.below(3) {
+                0 => Duration::from_secs(rng.below(86_400 * 365)),
+                1 => Duration::from_millis(rng.below(100_000)),
+                _ => Duration::from_nanos(rng.below(86_400 * 365 * 1_000_000_000)),
+            };
+        }
+        let mib = crate::config::units::MIB;
+        if rng.chance() {
+            c.part_size = 5 * mib + rng.below(5 * 1024 * mib - 5 * mib + 1);
+        }
+        if rng.chance() {
+            c.max_concurrency = 1 + rng.below(256) as usize;
+        }
+        if rng.chance() {
+            c.max_prefetch_memory = 8 * mib + rng.below(u64::MAX - 8 * mib);
+            c.max_upload_memory = 8 * mib + rng.below(1 << 40);
+        }
+        c
+    }
+
+    #[test]
+    fn the_mounter_argv_parses_back_to_the_same_config() {
+        let mut rng = Rng(0x5eed_1234_abcd_9876);
+        for case in 0..5_000 {
+            let c = random_config(&mut rng);
+            let args = c.to_args();
+            let back = parse(&args, &c.source.to_string())
+                .unwrap_or_else(|e| panic!("case {case}: {args:?}: {e}"));
+            assert_eq!(back, c, "case {case}: {args:?}");
+        }
     }
 }

@@ -1,11 +1,14 @@
 //! Options of one mount: where the bucket is, how files look, how I/O is tuned.
 //!
-//! The same option names work as long flags (`--file-mode 0640`), in `-o` lists
-//! (`-o file-mode=0640,allow-other`, underscores accepted for fstab habits) and in a CSI
-//! PersistentVolume's `mountOptions`; [`MountConfig::apply_option`] is the single
-//! allow-list that all three go through.
+//! Which options exist, their names and defaults are [`super::options::MOUNT_OPTIONS`];
+//! this file maps each to its typed field: [`MountConfig::apply_option`] parses one (the
+//! single allow-list of flags, `-o` lists, fstab, PV `mountOptions` and volume contexts),
+//! [`MountConfig::to_args`] writes a whole configuration back as `s3csi mount` flags.
 
-use crate::s3::aws::Endpoint;
+use super::options::{find_mount_option, Named, OptionDefault, OptionId, OptionValue};
+use super::options::{OptionSpec, MOUNT_OPTIONS};
+use super::units::{format_duration, format_size, parse_duration, parse_size, GIB, MIB};
+use super::Endpoint;
 use std::time::Duration;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -18,11 +21,24 @@ pub enum MountOptionError {
     BadSource(String),
 }
 
-fn invalid(option: &str, reason: impl Into<String>) -> MountOptionError {
+fn invalid(option: &str, reason: impl ToString) -> MountOptionError {
     MountOptionError::Invalid {
         option: option.to_string(),
-        reason: reason.into(),
+        reason: reason.to_string(),
     }
+}
+
+/// Why a bucket name or a prefix is refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum NameError {
+    #[error("invalid bucket name {0:?}")]
+    BucketName(String),
+    #[error("prefix longer than 512 bytes")]
+    PrefixTooLong,
+    #[error("prefix {0:?} has an empty, '.' or '..' component")]
+    PrefixComponent(String),
+    #[error("prefix {0:?} contains control characters")]
+    PrefixControlCharacters(String),
 }
 
 /// `BUCKET[:PREFIX]`, with the prefix normalised to end in `/` (or be empty).
@@ -48,8 +64,18 @@ impl BucketSource {
     }
 }
 
+/// `BUCKET` or `BUCKET:PREFIX` (without the trailing `/`): what [`BucketSource::parse`] reads.
+impl std::fmt::Display for BucketSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.prefix.trim_end_matches('/') {
+            "" => write!(f, "{}", self.bucket),
+            prefix => write!(f, "{}:{prefix}", self.bucket),
+        }
+    }
+}
+
 /// S3 bucket naming rules, loosely: S3-compatible stores allow a little more.
-pub fn validate_bucket_name(b: &str) -> Result<(), String> {
+pub fn validate_bucket_name(b: &str) -> Result<(), NameError> {
     let ok_len = (3..=63).contains(&b.len());
     let ok_chars = b
         .bytes()
@@ -62,25 +88,25 @@ pub fn validate_bucket_name(b: &str) -> Result<(), String> {
     if ok_len && ok_chars && ok_ends {
         Ok(())
     } else {
-        Err(format!("invalid bucket name {b:?}"))
+        Err(NameError::BucketName(b.to_string()))
     }
 }
 
 /// Prefixes are key paths: no empty, `.` or `..` components; stored with a trailing `/`.
-pub fn normalize_prefix(p: &str) -> Result<String, String> {
+pub fn normalize_prefix(p: &str) -> Result<String, NameError> {
     let trimmed = p.trim_matches('/');
     if trimmed.is_empty() {
         return Ok(String::new());
     }
     if trimmed.len() > 512 {
-        return Err("prefix longer than 512 bytes".into());
+        return Err(NameError::PrefixTooLong);
     }
     for part in trimmed.split('/') {
         if part.is_empty() || part == "." || part == ".." {
-            return Err(format!("prefix {p:?} has an empty, '.' or '..' component"));
+            return Err(NameError::PrefixComponent(p.to_string()));
         }
         if part.chars().any(|c| c.is_control()) {
-            return Err(format!("prefix {p:?} contains control characters"));
+            return Err(NameError::PrefixControlCharacters(p.to_string()));
         }
     }
     Ok(format!("{trimmed}/"))
@@ -113,30 +139,43 @@ pub struct MountConfig {
     pub debug: bool,
 }
 
-const MIB: u64 = 1024 * 1024;
-
 impl MountConfig {
+    /// Every option at its default: the table's default values, parsed as if given.
     pub fn new(source: BucketSource) -> Self {
-        Self {
+        let mut cfg = Self {
             source,
             endpoint: Endpoint::default(),
-            read_only: false,
+            // Described defaults: the ids of the process that mounts.
             uid: nix::unistd::geteuid().as_raw(),
             gid: nix::unistd::getegid().as_raw(),
-            file_mode: 0o644,
-            dir_mode: 0o755,
+            // Switches are off unless given (see `OptionValue::Switch`).
+            read_only: false,
             allow_other: false,
             allow_root: false,
-            metadata_ttl: Duration::from_secs(5),
-            part_size: 8 * MIB,
-            max_concurrency: 16,
-            max_prefetch_memory: 512 * MIB,
-            max_upload_memory: 256 * MIB,
             sync_create: false,
             sync_delete: false,
             page_cache: false,
             debug: false,
+            // Placeholders, each replaced by its table default just below.
+            file_mode: 0,
+            dir_mode: 0,
+            metadata_ttl: Duration::ZERO,
+            part_size: 0,
+            max_concurrency: 0,
+            max_prefetch_memory: 0,
+            max_upload_memory: 0,
+        };
+        for spec in MOUNT_OPTIONS {
+            if let OptionValue::Text {
+                default: OptionDefault::Value(text),
+                ..
+            } = spec.value
+            {
+                cfg.set(spec, spec.name, Some(text))
+                    .expect("the option table's defaults are valid values");
+            }
         }
+        cfg
     }
 
     /// Applies one `name[=value]` option. Names accept `-` or `_`.
@@ -146,103 +185,12 @@ impl MountConfig {
         value: Option<&str>,
     ) -> Result<(), MountOptionError> {
         let key = name.trim().replace('_', "-");
-        let need = |v: Option<&str>| -> Result<String, MountOptionError> {
-            match v {
-                Some(v) if !v.is_empty() => Ok(v.to_string()),
-                _ => Err(invalid(&key, "needs a value")),
-            }
-        };
-        let flag = |v: Option<&str>| -> Result<bool, MountOptionError> {
-            match v {
-                None => Ok(true),
-                Some("true" | "1" | "yes") => Ok(true),
-                Some("false" | "0" | "no") => Ok(false),
-                Some(other) => Err(invalid(
-                    &key,
-                    format!("expected true or false, got {other:?}"),
-                )),
-            }
-        };
-        match key.as_str() {
-            "endpoint-url" | "endpoint" => {
-                let url = need(value)?;
-                if !(url.starts_with("http://") || url.starts_with("https://")) {
-                    return Err(invalid(&key, "must start with http:// or https://"));
-                }
-                // It travels inside `-o` lists: a comma would smuggle in another option.
-                if url
-                    .chars()
-                    .any(|c| c == ',' || c.is_whitespace() || c.is_control())
-                {
-                    return Err(invalid(
-                        &key,
-                        "must not contain commas, spaces or control characters",
-                    ));
-                }
-                self.endpoint.endpoint_url = Some(url);
-            }
-            "region" => {
-                let r = need(value)?;
-                if !r.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'-') {
-                    return Err(invalid(&key, "invalid region name"));
-                }
-                self.endpoint.region = Some(r);
-            }
-            "force-path-style" => self.endpoint.force_path_style = flag(value)?,
-            "prefix" => {
-                self.source.prefix =
-                    normalize_prefix(&need(value)?).map_err(|r| invalid(&key, r))?
-            }
-            "read-only" | "ro" => self.read_only = flag(value)?,
-            "rw" => self.read_only = false,
-            "uid" => self.uid = parse_id(&key, &need(value)?)?,
-            "gid" => self.gid = parse_id(&key, &need(value)?)?,
-            "file-mode" => self.file_mode = parse_mode(&key, &need(value)?)?,
-            "dir-mode" => self.dir_mode = parse_mode(&key, &need(value)?)?,
-            "allow-other" => self.allow_other = flag(value)?,
-            "allow-root" => self.allow_root = flag(value)?,
-            "metadata-ttl" => self.metadata_ttl = parse_duration(&key, &need(value)?)?,
-            "part-size" => {
-                let size = parse_size(&key, &need(value)?)?;
-                if !(5 * MIB..=5 * 1024 * MIB).contains(&size) {
-                    return Err(invalid(&key, "must be between 5 MiB and 5 GiB (S3 limits)"));
-                }
-                self.part_size = size;
-            }
-            "max-concurrency" => {
-                let n: usize = need(value)?
-                    .parse()
-                    .map_err(|_| invalid(&key, "expected a number"))?;
-                if !(1..=256).contains(&n) {
-                    return Err(invalid(&key, "must be between 1 and 256"));
-                }
-                self.max_concurrency = n;
-            }
-            "max-prefetch-memory" => {
-                let size = parse_size(&key, &need(value)?)?;
-                if size < 8 * MIB {
-                    return Err(invalid(&key, "must be at least 8 MiB"));
-                }
-                self.max_prefetch_memory = size;
-            }
-            "max-upload-memory" => {
-                let size = parse_size(&key, &need(value)?)?;
-                if size < 8 * MIB {
-                    return Err(invalid(&key, "must be at least 8 MiB"));
-                }
-                self.max_upload_memory = size;
-            }
-            "sync-create" => self.sync_create = flag(value)?,
-            "sync-delete" => self.sync_delete = flag(value)?,
-            "page-cache" => self.page_cache = flag(value)?,
-            "debug" => self.debug = flag(value)?,
-            // Generic options mount(8) and fstab pass to every helper; they mean nothing here.
-            "defaults" | "auto" | "noauto" | "user" | "nouser" | "users" | "-netdev" | "netdev"
-            | "nofail" | "exec" | "noexec" | "suid" | "nosuid" | "dev" | "nodev" | "atime"
-            | "noatime" | "relatime" | "nodiratime" | "async" => {}
-            _ => return Err(MountOptionError::Unknown(name.to_string())),
+        match find_mount_option(&key) {
+            Some(Named::Option(spec)) => self.set(spec, &key, value),
+            Some(Named::Negation(spec)) => self.set(spec, &key, Some("false")),
+            Some(Named::Ignored) => Ok(()),
+            None => Err(MountOptionError::Unknown(name.to_string())),
         }
-        Ok(())
     }
 
     /// Applies a comma-separated `-o` list.
@@ -255,6 +203,159 @@ impl MountConfig {
             self.apply_option(name, value)?;
         }
         Ok(())
+    }
+
+    /// The `s3csi mount` flags that make a mounter arrive at exactly this configuration,
+    /// given [`BucketSource`]'s `Display` as its source argument (which carries the prefix):
+    /// `--name` or `--name=value` for every option that differs from the default, one argv
+    /// element each, so no value is ever split or quoted.
+    pub fn to_args(&self) -> Vec<String> {
+        let defaults = Self::new(self.source.clone());
+        let mut args = Vec::new();
+        for spec in MOUNT_OPTIONS.iter().filter(|s| s.is_mount_option()) {
+            if spec.id == OptionId::Prefix {
+                continue;
+            }
+            let value = self.written(spec.id);
+            if value == defaults.written(spec.id) {
+                continue;
+            }
+            // The defaults are every option's not-given state (switches off, no region), so
+            // an option can only differ from them by having a value.
+            if let Some(v) = value {
+                args.push(match spec.value {
+                    OptionValue::Switch => format!("--{}", spec.name),
+                    OptionValue::Text { .. } => format!("--{}={v}", spec.name),
+                });
+            }
+        }
+        args
+    }
+
+    /// Sets the option of `spec` from its text; errors name it as `key` (how it was given).
+    fn set(
+        &mut self,
+        spec: &OptionSpec,
+        key: &str,
+        value: Option<&str>,
+    ) -> Result<(), MountOptionError> {
+        let text = || match value {
+            Some(v) if !v.is_empty() => Ok(v),
+            _ => Err(invalid(key, "needs a value")),
+        };
+        let switch = || match value {
+            None | Some("true" | "1" | "yes") => Ok(true),
+            Some("false" | "0" | "no") => Ok(false),
+            Some(other) => Err(invalid(
+                key,
+                format!("expected true or false, got {other:?}"),
+            )),
+        };
+        let memory = || {
+            let size = parse_size(text()?).map_err(|e| invalid(key, e))?;
+            if size < 8 * MIB {
+                return Err(invalid(key, "must be at least 8 MiB"));
+            }
+            Ok(size)
+        };
+        use OptionId::*;
+        match spec.id {
+            EndpointUrl => {
+                let url = text()?;
+                if !(url.starts_with("http://") || url.starts_with("https://")) {
+                    return Err(invalid(key, "must start with http:// or https://"));
+                }
+                // It travels inside `-o` lists: a comma would smuggle in another option.
+                if url
+                    .chars()
+                    .any(|c| c == ',' || c.is_whitespace() || c.is_control())
+                {
+                    return Err(invalid(
+                        key,
+                        "must not contain commas, spaces or control characters",
+                    ));
+                }
+                self.endpoint.endpoint_url = Some(url.to_string());
+            }
+            Region => {
+                let r = text()?;
+                if !r.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'-') {
+                    return Err(invalid(key, "invalid region name"));
+                }
+                self.endpoint.region = Some(r.to_string());
+            }
+            ForcePathStyle => self.endpoint.force_path_style = switch()?,
+            Prefix => {
+                self.source.prefix = normalize_prefix(text()?).map_err(|e| invalid(key, e))?
+            }
+            ReadOnly => self.read_only = switch()?,
+            Uid => self.uid = parse_id(key, text()?)?,
+            Gid => self.gid = parse_id(key, text()?)?,
+            FileMode => self.file_mode = parse_mode(key, text()?)?,
+            DirMode => self.dir_mode = parse_mode(key, text()?)?,
+            AllowOther => self.allow_other = switch()?,
+            AllowRoot => self.allow_root = switch()?,
+            MetadataTtl => {
+                self.metadata_ttl = parse_duration(text()?).map_err(|e| invalid(key, e))?
+            }
+            PartSize => {
+                let size = parse_size(text()?).map_err(|e| invalid(key, e))?;
+                if !(5 * MIB..=5 * GIB).contains(&size) {
+                    return Err(invalid(key, "must be between 5 MiB and 5 GiB (S3 limits)"));
+                }
+                self.part_size = size;
+            }
+            MaxConcurrency => {
+                let n: usize = text()?
+                    .parse()
+                    .map_err(|_| invalid(key, "expected a number"))?;
+                if !(1..=256).contains(&n) {
+                    return Err(invalid(key, "must be between 1 and 256"));
+                }
+                self.max_concurrency = n;
+            }
+            MaxPrefetchMemory => self.max_prefetch_memory = memory()?,
+            MaxUploadMemory => self.max_upload_memory = memory()?,
+            SyncDelete => self.sync_delete = switch()?,
+            SyncCreate => self.sync_create = switch()?,
+            PageCache => self.page_cache = switch()?,
+            Debug => self.debug = switch()?,
+            // Settings of the `s3csi mount` process, not of the mount (`MountArgs` has them).
+            Foreground | LogFile => return Err(MountOptionError::Unknown(key.to_string())),
+        }
+        Ok(())
+    }
+
+    /// The option's current value as `set` reads it back: `None` in its not-given state (a
+    /// switch off, no region, the whole bucket), `"true"` for a switch that is on.
+    fn written(&self, id: OptionId) -> Option<String> {
+        let on = |b: bool| b.then(|| "true".to_string());
+        use OptionId::*;
+        match id {
+            EndpointUrl => self.endpoint.endpoint_url.clone(),
+            Region => self.endpoint.region.clone(),
+            ForcePathStyle => on(self.endpoint.force_path_style),
+            Prefix => {
+                Some(self.source.prefix.trim_end_matches('/').to_string()).filter(|p| !p.is_empty())
+            }
+            ReadOnly => on(self.read_only),
+            Uid => Some(self.uid.to_string()),
+            Gid => Some(self.gid.to_string()),
+            FileMode => Some(format!("{:04o}", self.file_mode)),
+            DirMode => Some(format!("{:04o}", self.dir_mode)),
+            AllowOther => on(self.allow_other),
+            AllowRoot => on(self.allow_root),
+            MetadataTtl => Some(format_duration(self.metadata_ttl)),
+            PartSize => Some(format_size(self.part_size)),
+            MaxConcurrency => Some(self.max_concurrency.to_string()),
+            MaxPrefetchMemory => Some(format_size(self.max_prefetch_memory)),
+            MaxUploadMemory => Some(format_size(self.max_upload_memory)),
+            SyncDelete => on(self.sync_delete),
+            SyncCreate => on(self.sync_create),
+            PageCache => on(self.page_cache),
+            Debug => on(self.debug),
+            Foreground | LogFile => None,
+        }
     }
 }
 
@@ -271,49 +372,6 @@ fn parse_mode(key: &str, v: &str) -> Result<u16, MountOptionError> {
         .ok()
         .filter(|m| *m <= 0o777)
         .ok_or_else(|| invalid(key, format!("expected an octal mode like 0644, got {v:?}")))
-}
-
-/// `5`, `1.5`, `500ms`, `2s`, `1m`, `1h`; plain numbers are seconds.
-pub fn parse_duration(key: &str, v: &str) -> Result<Duration, MountOptionError> {
-    let (num, unit) = split_unit(v);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| invalid(key, format!("expected a duration like 5s, got {v:?}")))?;
-    let secs = match unit {
-        "" | "s" => n,
-        "ms" => n / 1000.0,
-        "m" | "min" => n * 60.0,
-        "h" => n * 3600.0,
-        _ => return Err(invalid(key, format!("unknown unit {unit:?}"))),
-    };
-    if !(0.0..=86_400.0 * 365.0).contains(&secs) {
-        return Err(invalid(key, "out of range"));
-    }
-    Ok(Duration::from_secs_f64(secs))
-}
-
-/// `8388608`, `8M`, `8MiB`, `1G`...; binary units.
-pub fn parse_size(key: &str, v: &str) -> Result<u64, MountOptionError> {
-    let (num, unit) = split_unit(v);
-    let n: u64 = num
-        .parse()
-        .map_err(|_| invalid(key, format!("expected a size like 8MiB, got {v:?}")))?;
-    let mult = match unit.to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1024,
-        "m" | "mb" | "mib" => MIB,
-        "g" | "gb" | "gib" => 1024 * MIB,
-        _ => return Err(invalid(key, format!("unknown unit {unit:?}"))),
-    };
-    n.checked_mul(mult).ok_or_else(|| invalid(key, "too large"))
-}
-
-fn split_unit(v: &str) -> (&str, &str) {
-    let v = v.trim();
-    let i = v
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(v.len());
-    (&v[..i], v[i..].trim())
 }
 
 #[cfg(test)]
@@ -335,6 +393,11 @@ mod tests {
         assert!(BucketSource::parse("Bad_Bucket!").is_err());
         assert!(BucketSource::parse("bkt:a/../b").is_err());
         assert!(BucketSource::parse("").is_err());
+        for text in ["bkt", "bkt:a/b", "bkt:a:b/c d,e"] {
+            let s = BucketSource::parse(text).unwrap();
+            assert_eq!(s.to_string(), text);
+            assert_eq!(BucketSource::parse(&s.to_string()).unwrap(), s);
+        }
     }
 
     #[test]
@@ -356,6 +419,13 @@ mod tests {
         assert_eq!(c.part_size, 16 * MIB);
         assert_eq!(c.max_concurrency, 4);
         assert_eq!(c.source.prefix, "p/");
+        c.apply_option_list("rw=whatever,endpoint=https://s3.example")
+            .unwrap();
+        assert!(!c.read_only);
+        assert_eq!(
+            c.endpoint.endpoint_url.as_deref(),
+            Some("https://s3.example")
+        );
     }
 
     #[test]
@@ -371,22 +441,60 @@ mod tests {
             ("max-concurrency=0", "max-concurrency"),
             ("read-only=maybe", "read-only"),
             ("uid", "uid"),
+            // Flags of the process, not mount options.
+            ("foreground", "foreground"),
+            ("log-file=/tmp/x", "log-file"),
         ] {
             let err = c.apply_option_list(opt).unwrap_err().to_string();
             assert!(err.contains(needle), "{opt}: {err}");
         }
     }
 
+    /// The defaults the code runs with, written out once more, as the documentation states
+    /// them (README, `--help`): a change of the table shows up here as well.
     #[test]
-    fn sizes_and_durations() {
-        assert_eq!(parse_size("x", "8M").unwrap(), 8 * MIB);
-        assert_eq!(parse_size("x", "1GiB").unwrap(), 1024 * MIB);
-        assert!(parse_size("x", "99999999999999999999G").is_err());
-        assert_eq!(parse_duration("x", "2m").unwrap(), Duration::from_secs(120));
+    fn defaults() {
+        let c = cfg();
+        assert_eq!(c.endpoint, Endpoint::default());
+        assert_eq!((c.file_mode, c.dir_mode), (0o644, 0o755));
+        assert_eq!(c.metadata_ttl, Duration::from_secs(5));
+        assert_eq!(c.part_size, 8 * MIB);
+        assert_eq!(c.max_concurrency, 16);
         assert_eq!(
-            parse_duration("x", "1.5").unwrap(),
-            Duration::from_millis(1500)
+            (c.max_prefetch_memory, c.max_upload_memory),
+            (512 * MIB, 256 * MIB)
         );
-        assert!(parse_duration("x", "-1").is_err());
+        assert!(!(c.read_only || c.allow_other || c.allow_root || c.debug));
+        assert!(!(c.sync_create || c.sync_delete || c.page_cache));
+        assert_eq!(c.uid, nix::unistd::geteuid().as_raw());
+        assert_eq!(c.source.prefix, "");
+        assert!(c.to_args().is_empty(), "{:?}", c.to_args());
+        // Every option reads back its own written value unchanged.
+        for spec in MOUNT_OPTIONS.iter().filter(|s| s.is_mount_option()) {
+            let mut again = c.clone();
+            if let Some(v) = c.written(spec.id) {
+                again.apply_option(spec.name, Some(&v)).unwrap();
+                assert_eq!(again, c, "{}={v}", spec.name);
+            }
+        }
+    }
+
+    #[test]
+    fn to_args_writes_only_what_differs() {
+        let mut c = MountConfig::new(BucketSource::parse("bkt:p").unwrap());
+        c.apply_option_list(
+            "allow-other,metadata-ttl=1500ms,part-size=5242881,region=eu-west-1,file-mode=0600",
+        )
+        .unwrap();
+        assert_eq!(
+            c.to_args(),
+            [
+                "--region=eu-west-1",
+                "--file-mode=0600",
+                "--allow-other",
+                "--metadata-ttl=1500ms",
+                "--part-size=5242881",
+            ]
+        );
     }
 }

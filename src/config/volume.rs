@@ -13,8 +13,7 @@
 //! silently dropped.
 
 use super::mount::{normalize_prefix, validate_bucket_name, BucketSource, MountConfig};
-use super::MountOptionError;
-use crate::s3::aws::Endpoint;
+use super::{Endpoint, MountOptionError};
 use std::collections::HashMap;
 
 pub const KEY_BUCKET: &str = "bucket";
@@ -399,7 +398,8 @@ impl PublishSpec {
         for flag in input.mount_flags {
             config.apply_option_list(flag)?;
         }
-        // What `mount_args` enforces with flags, whatever the PV's options say.
+        // Whatever the PV's options say: pods run as any uid, and without allow-other only
+        // root could enter the mount; a read-only publish stays read-only.
         config.allow_other = true;
         if input.read_only {
             config.read_only = true;
@@ -421,48 +421,16 @@ impl PublishSpec {
         })
     }
 
-    /// `BUCKET[:PREFIX]` for the mount command.
+    /// `BUCKET[:PREFIX]` for the mount command: the validated configuration's source, so
+    /// that a `prefix=` in the PV's options counts.
     pub fn source_arg(&self) -> String {
-        let p = self.source.prefix.trim_end_matches('/');
-        if p.is_empty() {
-            self.source.bucket.clone()
-        } else {
-            format!("{}:{}", self.source.bucket, p)
-        }
+        self.config.source.to_string()
     }
 
-    /// Options for `s3csi mount` (without `--foreground`, source and mount point). The
-    /// PV's mount options come last so that they win over what we derive.
+    /// Options for `s3csi mount` (without `--foreground`, source and mount point): the
+    /// validated configuration, written out, so the mounter arrives at exactly it.
     pub fn mount_args(&self) -> Vec<String> {
-        let mut args = Vec::new();
-        // Pods run as any uid: without allow-other only root could enter the mount.
-        args.push("--allow-other".into());
-        if self.read_only {
-            args.push("--read-only".into());
-        }
-        // Derived settings go first in the `-o` list and the PV's options after them, so
-        // a PV option wins exactly as it did in `PublishSpec::parse` (flags would win over
-        // every `-o` option in the mounter instead).
-        let mut opts = Vec::new();
-        if let Some(url) = &self.endpoint.endpoint_url {
-            opts.push(format!("endpoint-url={url}"));
-        }
-        if let Some(r) = &self.endpoint.region {
-            opts.push(format!("region={r}"));
-        }
-        if self.endpoint.force_path_style {
-            opts.push("force-path-style".into());
-        }
-        if let Some(g) = self.mount_group {
-            opts.push(format!("gid={g},file-mode=0664,dir-mode=0775"));
-        }
-        opts.extend(self.mount_flags.iter().cloned());
-        if !opts.is_empty() {
-            args.extend(["-o".to_string(), opts.join(",")]);
-        }
-        // `s3csi mount` applies flags after `-o` lists, so --read-only above wins over an
-        // `rw` in the PV's options.
-        args
+        self.config.to_args()
     }
 }
 
@@ -533,12 +501,23 @@ mod tests {
         assert_eq!(spec.source_arg(), "bkt:vol");
         assert_eq!(spec.config.gid, 2000);
         assert_eq!(spec.config.uid, 1000);
-        let args = spec.mount_args().join(" ");
-        assert!(args.contains(
-            "-o endpoint-url=http://127.0.0.1:9000,force-path-style,\
-             gid=2000,file-mode=0664,dir-mode=0775,uid=1000,metadata-ttl=5s"
-        ));
-        assert!(args.contains("--read-only"));
+        // Everything that differs from the defaults (`metadata-ttl=5s` is the default), the
+        // PV's options and the derived settings alike.
+        let uid_flag = (nix::unistd::geteuid().as_raw() != 1000).then_some("--uid=1000");
+        let expected: Vec<&str> = [
+            Some("--endpoint-url=http://127.0.0.1:9000"),
+            Some("--force-path-style"),
+            Some("--read-only"),
+            uid_flag,
+            Some("--gid=2000"),
+            Some("--file-mode=0664"),
+            Some("--dir-mode=0775"),
+            Some("--allow-other"),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        assert_eq!(spec.mount_args(), expected);
 
         let bad = vec!["bogus-option=1".to_string()];
         let err = PublishSpec::parse(PublishInput {

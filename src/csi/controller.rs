@@ -18,7 +18,8 @@ use crate::config::volume::{
     Credentials, StorageClassParams, VolumeContext, VolumeHandle, KEY_BUCKET, KEY_ENDPOINT_URL,
     KEY_FORCE_PATH_STYLE, KEY_PREFIX, KEY_REGION,
 };
-use crate::s3::aws::{AwsClient, Endpoint};
+use crate::config::Endpoint;
+use crate::s3::aws::AwsClient;
 use crate::s3::{ListRequest, ObjectClient, S3Error};
 use bytes::Bytes;
 use std::collections::HashMap;

@@ -17,12 +17,12 @@ pub mod node;
 pub mod pb;
 pub mod volume_record;
 
+use crate::config::Endpoint;
 use crate::metrics::Metered;
 use crate::mounter::backend::MounterBackend;
 use crate::mounter::kernel::RealKernel;
 use crate::mounter::process::ProcessBackend;
 use crate::mounter::{MountManager, Timeouts};
-use crate::s3::aws::Endpoint;
 use error::CsiError;
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};

@@ -36,6 +36,7 @@ pub mod session;
 pub mod upload;
 mod writer;
 
+use crate::config::{BucketSource, MountConfig};
 use crate::s3::{ListPage, ListRequest, ObjectClient, S3Error};
 use bytes::Bytes;
 use deletes::DeferredDeletes;
@@ -85,8 +86,8 @@ pub struct FsConfig {
     pub page_cache: bool,
 }
 
-impl From<&crate::config::MountConfig> for FsConfig {
-    fn from(cfg: &crate::config::MountConfig) -> Self {
+impl From<&MountConfig> for FsConfig {
+    fn from(cfg: &MountConfig) -> Self {
         FsConfig {
             prefix: cfg.source.prefix.clone(),
             uid: cfg.uid,
@@ -99,33 +100,19 @@ impl From<&crate::config::MountConfig> for FsConfig {
             max_concurrency: cfg.max_concurrency,
             max_prefetch_memory: cfg.max_prefetch_memory,
             max_upload_memory: cfg.max_upload_memory,
+            prefetch: PrefetchConfig::default(),
             sync_create: cfg.sync_create,
             sync_delete: cfg.sync_delete,
             page_cache: cfg.page_cache,
-            ..FsConfig::default()
         }
     }
 }
 
+/// A mount of a whole bucket with every option at its default ([`MountConfig::new`]).
 impl Default for FsConfig {
     fn default() -> Self {
-        Self {
-            prefix: String::new(),
-            uid: 0,
-            gid: 0,
-            file_mode: 0o644,
-            dir_mode: 0o755,
-            metadata_ttl: Duration::from_secs(5),
-            read_only: false,
-            part_size: 8 * 1024 * 1024,
-            max_concurrency: 16,
-            max_prefetch_memory: 512 * 1024 * 1024,
-            max_upload_memory: 256 * 1024 * 1024,
-            prefetch: PrefetchConfig::default(),
-            sync_create: false,
-            sync_delete: false,
-            page_cache: false,
-        }
+        let whole_bucket = BucketSource::new("bucket", "").expect("a valid bucket name");
+        Self::from(&MountConfig::new(whole_bucket))
     }
 }
 

@@ -18,6 +18,48 @@ pub struct HandoffFiles {
     pub inode_log: PathBuf,
 }
 
+/// Why the session on a handed-over descriptor could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error("cannot read {}: {source}", .path.display())]
+    ReadInodeLog {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot write {}: {source}", .path.display())]
+    WriteInodeLog {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot read the saved FUSE_INIT {}: {source}", .path.display())]
+    ReadSavedInit {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// Saving what a replacement mounter needs: `what` is "FUSE_INIT" or its reply.
+    #[error("cannot save {what}: {source}")]
+    Save {
+        what: &'static str,
+        source: std::io::Error,
+    },
+    /// A system call on the descriptor or the socket pair; `step` says which.
+    #[error("{step}: {source}")]
+    Sys {
+        step: &'static str,
+        source: nix::errno::Errno,
+    },
+    #[error("FUSE handshake: {0}")]
+    Handshake(std::io::Error),
+    #[error("dup3: {0}")]
+    Dup(std::io::Error),
+    #[error("cannot start the FUSE session: {0}")]
+    Spawn(std::io::Error),
+}
+
+fn sys(step: &'static str) -> impl FnOnce(nix::errno::Errno) -> SessionError {
+    move |source| SessionError::Sys { step, source }
+}
+
 /// FUSE_NOTIFY_RESEND (Linux 6.9+): the kernel puts every request a dead daemon had read
 /// but not answered back in the queue, for the new daemon to answer.
 const FUSE_NOTIFY_RESEND: i32 = 7;
@@ -59,7 +101,7 @@ pub fn serve_descriptor(
     fuse_fd: &OwnedFd,
     recover: bool,
     rt: &tokio::runtime::Runtime,
-) -> Result<fuser::BackgroundSession, String> {
+) -> Result<fuser::BackgroundSession, SessionError> {
     use super::inode_log::{self, InodeLog};
     use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
     use std::os::fd::AsRawFd;
@@ -67,13 +109,19 @@ pub fn serve_descriptor(
     let root_key = fs.config().prefix.clone();
     let log_path = &files.inode_log;
     let restored = if recover {
-        inode_log::load(log_path, &root_key)
-            .map_err(|e| format!("cannot read {}: {e}", log_path.display()))?
+        inode_log::load(log_path, &root_key).map_err(|source| SessionError::ReadInodeLog {
+            path: log_path.clone(),
+            source,
+        })?
     } else {
         inode_log::Loaded::default()
     };
-    let log = InodeLog::create(log_path, &root_key, &[])
-        .map_err(|e| format!("cannot write {}: {e}", log_path.display()))?;
+    let log = InodeLog::create(log_path, &root_key, &[]).map_err(|source| {
+        SessionError::WriteInodeLog {
+            path: log_path.clone(),
+            source,
+        }
+    })?;
     let first_fh = if recover {
         // Above every handle an earlier mounter of this volume can have handed out.
         let ms = std::time::SystemTime::now()
@@ -94,20 +142,20 @@ pub fn serve_descriptor(
 
     let init_path = &files.init;
     let init = if recover {
-        std::fs::read(init_path).map_err(|e| {
-            format!(
-                "cannot read the saved FUSE_INIT {}: {e}",
-                init_path.display()
-            )
+        std::fs::read(init_path).map_err(|source| SessionError::ReadSavedInit {
+            path: init_path.clone(),
+            source,
         })?
     } else {
         // The first request on a fresh connection is INIT; /dev/fuse wants a buffer that
         // can take the largest write request.
         let mut buf = vec![0u8; (16 << 20) + 8192];
-        let n =
-            nix::unistd::read(fuse_fd, &mut buf).map_err(|e| format!("reading FUSE_INIT: {e}"))?;
+        let n = nix::unistd::read(fuse_fd, &mut buf).map_err(sys("reading FUSE_INIT"))?;
         buf.truncate(n);
-        save_whole(init_path, &buf).map_err(|e| format!("cannot save FUSE_INIT: {e}"))?;
+        save_whole(init_path, &buf).map_err(|source| SessionError::Save {
+            what: "FUSE_INIT",
+            source,
+        })?;
         buf
     };
     let (ours, theirs) = socketpair(
@@ -116,8 +164,8 @@ pub fn serve_descriptor(
         None,
         SockFlag::SOCK_CLOEXEC,
     )
-    .map_err(|e| format!("socketpair: {e}"))?;
-    nix::unistd::write(&ours, &init).map_err(|e| format!("replaying FUSE_INIT: {e}"))?;
+    .map_err(sys("socketpair"))?;
+    nix::unistd::write(&ours, &init).map_err(sys("replaying FUSE_INIT"))?;
 
     let reply_path = &files.init_reply;
     let mut adapter = FuseAdapter::new(fs.clone(), rt.handle().clone());
@@ -131,27 +179,26 @@ pub fn serve_descriptor(
     }
     let mut fuse_cfg = fuser::Config::default();
     fuse_cfg.acl = acl;
-    let session = fuser::Session::from_fd(adapter, theirs, acl, fuse_cfg)
-        .map_err(|e| format!("FUSE handshake: {e}"))?;
+    let session =
+        fuser::Session::from_fd(adapter, theirs, acl, fuse_cfg).map_err(SessionError::Handshake)?;
     let mut reply = vec![0u8; 64 * 1024];
-    let n = nix::unistd::read(&ours, &mut reply).map_err(|e| format!("FUSE_INIT reply: {e}"))?;
+    let n = nix::unistd::read(&ours, &mut reply).map_err(sys("FUSE_INIT reply"))?;
     if !recover {
-        save_whole(reply_path, &reply[..n])
-            .map_err(|e| format!("cannot save the FUSE_INIT reply: {e}"))?;
-        nix::unistd::write(fuse_fd, &reply[..n])
-            .map_err(|e| format!("answering FUSE_INIT: {e}"))?;
+        save_whole(reply_path, &reply[..n]).map_err(|source| SessionError::Save {
+            what: "the FUSE_INIT reply",
+            source,
+        })?;
+        nix::unistd::write(fuse_fd, &reply[..n]).map_err(sys("answering FUSE_INIT"))?;
     }
     // SAFETY: the session's descriptor is not in use by any thread yet; dup3 atomically
     // makes that number refer to /dev/fuse (closing the socket end it referred to), and
     // the session keeps owning (and eventually closing) the number.
     let raw = session.as_fd().as_raw_fd();
     if unsafe { libc::dup3(fuse_fd.as_raw_fd(), raw, libc::O_CLOEXEC) } < 0 {
-        return Err(format!("dup3: {}", std::io::Error::last_os_error()));
+        return Err(SessionError::Dup(std::io::Error::last_os_error()));
     }
     drop(ours);
-    let background = session
-        .spawn()
-        .map_err(|e| format!("cannot start the FUSE session: {e}"))?;
+    let background = session.spawn().map_err(SessionError::Spawn)?;
     if recover {
         match notify_resend(fuse_fd.as_fd()) {
             Ok(()) => tracing::info!(

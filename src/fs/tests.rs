@@ -45,7 +45,7 @@ impl Store {
         .await
         .unwrap();
         server.store.create_bucket(BUCKET).unwrap();
-        let endpoint = crate::s3::aws::Endpoint {
+        let endpoint = crate::config::Endpoint {
             endpoint_url: Some(server.endpoint()),
             force_path_style: true,
             region: None,

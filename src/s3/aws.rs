@@ -2,19 +2,13 @@
 //! (environment, profile, web identity / IRSA, container / Pod Identity, IMDS).
 
 use super::*;
+use crate::config::units::parse_duration;
+use crate::config::Endpoint;
 use aws_sdk_s3::error::{ProvideErrorMetadata, SdkError};
 use aws_sdk_s3::primitives::ByteStream;
 use aws_sdk_s3::types::{CompletedMultipartUpload, CompletedPart as SdkPart};
 use aws_sdk_s3::Client;
 use std::time::Duration;
-
-/// Where and how to reach the bucket. Never holds credentials.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Endpoint {
-    pub region: Option<String>,
-    pub endpoint_url: Option<String>,
-    pub force_path_style: bool,
-}
 
 /// Client-side time limits. The defaults suit real S3; tests shorten them through the
 /// environment (`S3CSI_CONNECT_TIMEOUT`, `S3CSI_READ_TIMEOUT`, `S3CSI_ATTEMPT_TIMEOUT`,
@@ -55,7 +49,7 @@ impl Timeouts {
             ("S3CSI_ATTEMPT_TIMEOUT", &mut t.attempt),
         ] {
             if let Ok(v) = std::env::var(var) {
-                match crate::config::mount::parse_duration(var, &v) {
+                match parse_duration(&v) {
                     Ok(d) if !d.is_zero() => *slot = d,
                     _ => tracing::warn!(var, value = %v, "ignoring an invalid timeout"),
                 }

@@ -67,6 +67,27 @@ impl std::fmt::Debug for ServerConfig {
     }
 }
 
+/// Why a server could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("cannot open {}: {source}", .dir.display())]
+    OpenStore {
+        dir: PathBuf,
+        source: store::StoreError,
+    },
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    /// The listening socket has no address (it always has one once bound).
+    #[error("{0}")]
+    LocalAddr(std::io::Error),
+    /// Opening the store panicked or was cancelled.
+    #[error("{0}")]
+    Join(#[from] tokio::task::JoinError),
+}
+
 /// A server running on the current tokio runtime; [`RunningServer::stop`] ends it.
 pub struct RunningServer {
     pub addr: SocketAddr,
@@ -101,16 +122,17 @@ impl Drop for RunningServer {
 }
 
 /// Opens the store under `config.dir` and serves it on `config.listen`.
-pub async fn start(config: ServerConfig) -> Result<RunningServer, String> {
+pub async fn start(config: ServerConfig) -> Result<RunningServer, ServerError> {
     let dir = config.dir.clone();
-    let store = tokio::task::spawn_blocking(move || open_store(&dir))
-        .await
-        .map_err(|e| e.to_string())??;
+    let store = tokio::task::spawn_blocking(move || open_store(&dir)).await??;
     let store = Arc::new(store);
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
-        .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
-    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        .map_err(|source| ServerError::Listen {
+            addr: config.listen,
+            source,
+        })?;
+    let addr = listener.local_addr().map_err(ServerError::LocalAddr)?;
     let service = {
         let mut b = s3s::service::S3ServiceBuilder::new(service::Backend {
             store: store.clone(),
@@ -157,8 +179,11 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer, String> {
     })
 }
 
-fn open_store(dir: &Path) -> Result<Store, String> {
-    Store::open(dir).map_err(|e| format!("cannot open {}: {e}", dir.display()))
+fn open_store(dir: &Path) -> Result<Store, ServerError> {
+    Store::open(dir).map_err(|source| ServerError::OpenStore {
+        dir: dir.to_path_buf(),
+        source,
+    })
 }
 
 /// `s3csi s3-server`: serves until SIGINT/SIGTERM. Returns the exit code.

@@ -1256,7 +1256,7 @@ async fn controller_volumes_on_the_embedded_s3_server() {
         .start();
     let client = AwsClient::with_static_credentials(
         bucket,
-        &s3csi::s3::aws::Endpoint {
+        &s3csi::config::Endpoint {
             region: Some("us-east-1".into()),
             endpoint_url: Some(endpoint.clone()),
             force_path_style: true,

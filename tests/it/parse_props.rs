@@ -14,8 +14,8 @@ use common::{full_run, Rng};
 use s3csi::config::volume::{
     Credentials, PublishInput, PublishSpec, StorageClassParams, VolumeContext, VolumeHandle,
 };
+use s3csi::config::Endpoint;
 use s3csi::config::{BucketSource, MountConfig, MountOptionError};
-use s3csi::s3::aws::Endpoint;
 use std::collections::HashMap;
 
 fn cases() -> usize {

@@ -9,9 +9,9 @@
 use crate::common;
 
 use common::{is_mountpoint, runtime, s3csi_bin, scratch_dir};
-use s3csi::s3::aws::{AwsClient, Endpoint};
 use s3csi::s3::{CompletedPart, ListRequest, ObjectClient, S3Error};
 use s3csi::s3server::{self, RunningServer, ServerConfig, DEMO_ACCESS_KEY, DEMO_SECRET_KEY};
+use s3csi::{config::Endpoint, s3::aws::AwsClient};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

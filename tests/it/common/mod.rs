@@ -7,7 +7,7 @@ pub mod fake_kube;
 pub mod fault_proxy;
 pub mod node_service;
 
-use s3csi::s3::aws::{AwsClient, Endpoint};
+use s3csi::{config::Endpoint, s3::aws::AwsClient};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

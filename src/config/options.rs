@@ -1,0 +1,470 @@
+//! The options of `s3csi mount`, described once: [`MOUNT_OPTIONS`]. Parsing
+//! ([`super::MountConfig::apply_option`]), the defaults ([`super::MountConfig::new`]), the
+//! mounter's argv ([`super::MountConfig::to_args`]), `s3csi mount --help`
+//! ([`super::MountArgs`]) and README's options table (checked by a test here) all come
+//! from this table.
+
+/// Which option a row describes; [`super::MountConfig`] maps each to its field.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OptionId {
+    EndpointUrl,
+    Region,
+    ForcePathStyle,
+    Prefix,
+    ReadOnly,
+    Uid,
+    Gid,
+    FileMode,
+    DirMode,
+    AllowOther,
+    AllowRoot,
+    MetadataTtl,
+    PartSize,
+    MaxConcurrency,
+    MaxPrefetchMemory,
+    MaxUploadMemory,
+    SyncDelete,
+    SyncCreate,
+    PageCache,
+    Foreground,
+    LogFile,
+    Debug,
+}
+
+/// What an option takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OptionValue {
+    /// Nothing: a switch, off unless given (`--allow-other`; `allow-other=false` in `-o`
+    /// lists). No switch defaults to on, so "off" never needs to be written on an argv.
+    Switch,
+    /// A value, shown as `placeholder` in help and README (`--uid UID`).
+    Text {
+        placeholder: &'static str,
+        default: OptionDefault,
+    },
+}
+
+/// An option's value when it is not given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OptionDefault {
+    /// Written as a user would write it: [`super::MountConfig::new`] parses it like one.
+    Value(&'static str),
+    /// No value of its own; what happens instead, in words (shown as is in README, without
+    /// the backticks in `--help`).
+    Described(&'static str),
+}
+
+/// Where an option may be given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// A setting of the mount: a flag, an item of a `-o` list or fstab entry, and (CSI) a
+    /// PersistentVolume's `mountOptions`.
+    Mount,
+    /// A setting of the `s3csi mount` process itself (whether it detaches, where it logs):
+    /// a flag only. The CSI node service decides these for its mounters.
+    Process,
+}
+
+/// One row of [`MOUNT_OPTIONS`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OptionSpec {
+    pub id: OptionId,
+    /// The long flag without `--`, and the name in `-o` lists (where `_` works for `-`).
+    pub name: &'static str,
+    /// Other names in `-o` lists (mount(8) habits such as `ro`).
+    pub aliases: &'static [&'static str],
+    /// A name in `-o` lists that turns this switch off (`rw`); any value it has is ignored.
+    pub negation: Option<&'static str>,
+    pub value: OptionValue,
+    /// One line for `--help`.
+    pub help: &'static str,
+    pub scope: Scope,
+}
+
+impl OptionSpec {
+    const fn switch(id: OptionId, name: &'static str, help: &'static str) -> Self {
+        Self {
+            id,
+            name,
+            aliases: &[],
+            negation: None,
+            value: OptionValue::Switch,
+            help,
+            scope: Scope::Mount,
+        }
+    }
+
+    const fn text(
+        id: OptionId,
+        name: &'static str,
+        placeholder: &'static str,
+        default: OptionDefault,
+        help: &'static str,
+    ) -> Self {
+        Self {
+            value: OptionValue::Text {
+                placeholder,
+                default,
+            },
+            ..Self::switch(id, name, help)
+        }
+    }
+
+    const fn aliases(self, aliases: &'static [&'static str]) -> Self {
+        Self { aliases, ..self }
+    }
+
+    const fn negation(self, negation: &'static str) -> Self {
+        Self {
+            negation: Some(negation),
+            ..self
+        }
+    }
+
+    const fn process_only(self) -> Self {
+        Self {
+            scope: Scope::Process,
+            ..self
+        }
+    }
+
+    /// The row for `id`.
+    pub fn of(id: OptionId) -> &'static OptionSpec {
+        MOUNT_OPTIONS
+            .iter()
+            .find(|s| s.id == id)
+            .expect("every option id has a row")
+    }
+
+    pub fn takes_value(&self) -> bool {
+        matches!(self.value, OptionValue::Text { .. })
+    }
+
+    /// May be given in `-o` lists, fstab and a PV's `mountOptions`.
+    pub fn is_mount_option(&self) -> bool {
+        self.scope == Scope::Mount
+    }
+
+    pub fn placeholder(&self) -> Option<&'static str> {
+        match self.value {
+            OptionValue::Text { placeholder, .. } => Some(placeholder),
+            OptionValue::Switch => None,
+        }
+    }
+
+    /// The `--help` line: the help text and, for options with a value, the default.
+    pub fn help_line(&self) -> String {
+        match self.value {
+            OptionValue::Switch => self.help.to_string(),
+            OptionValue::Text {
+                default: OptionDefault::Value(v),
+                ..
+            } => format!("{} [default: {v}]", self.help),
+            OptionValue::Text {
+                default: OptionDefault::Described(d),
+                ..
+            } => format!("{} [default: {}]", self.help, d.replace('`', "")),
+        }
+    }
+
+    /// README's "Option" cell: `` `--uid UID` ``, aliases after it: `` `--read-only` (`ro`) ``.
+    pub fn readme_option_cell(&self) -> String {
+        let mut cell = match self.placeholder() {
+            Some(p) => format!("`--{} {p}`", self.name),
+            None => format!("`--{}`", self.name),
+        };
+        if !self.aliases.is_empty() {
+            let names: Vec<String> = self.aliases.iter().map(|a| format!("`{a}`")).collect();
+            cell.push_str(&format!(" ({})", names.join(", ")));
+        }
+        cell
+    }
+
+    /// README's "Default" cell: `off`, `` `5s` ``, or the words of a described default.
+    pub fn readme_default_cell(&self) -> String {
+        match self.value {
+            OptionValue::Switch => "off".to_string(),
+            OptionValue::Text {
+                default: OptionDefault::Value(v),
+                ..
+            } => format!("`{v}`"),
+            OptionValue::Text {
+                default: OptionDefault::Described(d),
+                ..
+            } => d.to_string(),
+        }
+    }
+}
+
+/// A name in an option list, resolved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Named {
+    Option(&'static OptionSpec),
+    /// The spec's `negation` (`rw`).
+    Negation(&'static OptionSpec),
+    /// A generic option mount(8) and fstab pass to every helper; it means nothing here.
+    Ignored,
+}
+
+/// Resolves an option-list name (already trimmed, `_` turned into `-`) among the mount
+/// options: the single allow-list of `-o` lists, fstab, PV `mountOptions` and flags.
+pub fn find_mount_option(key: &str) -> Option<Named> {
+    if IGNORED_MOUNT8_OPTIONS.contains(&key) {
+        return Some(Named::Ignored);
+    }
+    let spec = MOUNT_OPTIONS
+        .iter()
+        .filter(|s| s.is_mount_option())
+        .find(|s| s.name == key || s.aliases.contains(&key) || s.negation == Some(key))?;
+    Some(if spec.negation == Some(key) {
+        Named::Negation(spec)
+    } else {
+        Named::Option(spec)
+    })
+}
+
+/// Generic options of mount(8) and fstab (`_netdev` arrives as `-netdev`).
+const IGNORED_MOUNT8_OPTIONS: &[&str] = &[
+    "defaults",
+    "auto",
+    "noauto",
+    "user",
+    "nouser",
+    "users",
+    "-netdev",
+    "netdev",
+    "nofail",
+    "exec",
+    "noexec",
+    "suid",
+    "nosuid",
+    "dev",
+    "nodev",
+    "atime",
+    "noatime",
+    "relatime",
+    "nodiratime",
+    "async",
+];
+
+use OptionDefault::{Described, Value};
+use OptionId as Id;
+
+/// Every option of `s3csi mount`, in the order of `--help` and README.
+pub static MOUNT_OPTIONS: &[OptionSpec] = &[
+    OptionSpec::text(
+        Id::EndpointUrl,
+        "endpoint-url",
+        "URL",
+        Described("AWS"),
+        "S3 endpoint, for S3-compatible stores (e.g. http://127.0.0.1:9000)",
+    )
+    .aliases(&["endpoint"]),
+    OptionSpec::text(
+        Id::Region,
+        "region",
+        "REGION",
+        Described("env/profile/IMDS, else `us-east-1`"),
+        "AWS region",
+    ),
+    OptionSpec::switch(
+        Id::ForcePathStyle,
+        "force-path-style",
+        "Address the bucket as ENDPOINT/BUCKET instead of BUCKET.ENDPOINT",
+    ),
+    OptionSpec::text(
+        Id::Prefix,
+        "prefix",
+        "PREFIX",
+        Described("none"),
+        "Mount only keys under this prefix (same as BUCKET:PREFIX)",
+    ),
+    OptionSpec::switch(Id::ReadOnly, "read-only", "Refuse every change")
+        .aliases(&["ro"])
+        .negation("rw"),
+    OptionSpec::text(
+        Id::Uid,
+        "uid",
+        "UID",
+        Described("mounting user"),
+        "Owner of all files",
+    ),
+    OptionSpec::text(
+        Id::Gid,
+        "gid",
+        "GID",
+        Described("mounting user's group"),
+        "Group of all files",
+    ),
+    OptionSpec::text(
+        Id::FileMode,
+        "file-mode",
+        "MODE",
+        Value("0644"),
+        "Permission bits of files, octal",
+    ),
+    OptionSpec::text(
+        Id::DirMode,
+        "dir-mode",
+        "MODE",
+        Value("0755"),
+        "Permission bits of directories, octal",
+    ),
+    OptionSpec::switch(
+        Id::AllowOther,
+        "allow-other",
+        "Let users other than the mounting one access the mount",
+    ),
+    OptionSpec::switch(Id::AllowRoot, "allow-root", "Let root access the mount too"),
+    OptionSpec::text(
+        Id::MetadataTtl,
+        "metadata-ttl",
+        "DURATION",
+        Value("5s"),
+        "How long metadata from S3 is trusted, e.g. 1s, 500ms, 5m",
+    ),
+    OptionSpec::text(
+        Id::PartSize,
+        "part-size",
+        "SIZE",
+        Value("8MiB"),
+        "Multipart upload part size, 5MiB..5GiB; doubles every 1000 parts",
+    ),
+    OptionSpec::text(
+        Id::MaxConcurrency,
+        "max-concurrency",
+        "N",
+        Value("16"),
+        "Maximum parallel S3 requests per open file",
+    ),
+    OptionSpec::text(
+        Id::MaxPrefetchMemory,
+        "max-prefetch-memory",
+        "SIZE",
+        Value("512MiB"),
+        "Read-ahead memory shared by all open files",
+    ),
+    OptionSpec::text(
+        Id::MaxUploadMemory,
+        "max-upload-memory",
+        "SIZE",
+        Value("256MiB"),
+        "Memory for upload parts in flight, shared by all files being written",
+    ),
+    OptionSpec::switch(
+        Id::SyncDelete,
+        "sync-delete",
+        "Make every unlink wait until S3 has deleted the object",
+    ),
+    OptionSpec::switch(
+        Id::SyncCreate,
+        "sync-create",
+        "Make close of a new empty file wait until the object is in S3",
+    ),
+    OptionSpec::switch(
+        Id::PageCache,
+        "page-cache",
+        "Let the kernel cache file data while a file is open (default: direct I/O, which \
+         copies reads and writes once, on Linux 6.6+; see README \"Semantics\")",
+    ),
+    OptionSpec::switch(
+        Id::Foreground,
+        "foreground",
+        "Stay in the foreground instead of detaching once mounted",
+    )
+    .process_only(),
+    OptionSpec::text(
+        Id::LogFile,
+        "log-file",
+        "PATH",
+        Described("stderr (`/dev/null` once detached)"),
+        "Write logs here",
+    )
+    .process_only(),
+    OptionSpec::switch(Id::Debug, "debug", "Log every request at debug level"),
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn names_are_unique_and_resolve_to_their_row() {
+        let mut seen = HashSet::new();
+        for spec in MOUNT_OPTIONS {
+            assert_eq!(OptionSpec::of(spec.id), spec);
+            for name in [spec.name]
+                .iter()
+                .chain(spec.aliases)
+                .chain(spec.negation.iter())
+            {
+                assert!(seen.insert(*name), "{name} twice");
+                assert!(!IGNORED_MOUNT8_OPTIONS.contains(name), "{name}");
+                assert!(
+                    !name.contains('_') && !name.contains(',') && !name.contains('='),
+                    "{name}"
+                );
+                let found = find_mount_option(name);
+                if spec.is_mount_option() {
+                    let expected = if spec.negation == Some(*name) {
+                        Named::Negation(spec)
+                    } else {
+                        Named::Option(spec)
+                    };
+                    assert_eq!(found, Some(expected), "{name}");
+                } else {
+                    assert_eq!(found, None, "{name} is a flag only");
+                }
+            }
+            assert!(
+                spec.negation.is_none() || !spec.takes_value(),
+                "{}: only switches have a negation",
+                spec.name
+            );
+        }
+        assert_eq!(find_mount_option("-netdev"), Some(Named::Ignored));
+        assert_eq!(find_mount_option("bogus"), None);
+    }
+
+    /// The rows of README's options table: (Option cell, Default cell).
+    fn readme_rows(readme: &str) -> Vec<(String, String)> {
+        let lines = readme
+            .lines()
+            .skip_while(|l| l.trim() != "| Option | Default | Meaning |")
+            .skip(2);
+        let mut rows = Vec::new();
+        for line in lines.take_while(|l| l.starts_with('|')) {
+            let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+            assert!(cells.len() >= 4, "README options row {line:?}");
+            rows.push((cells[1].to_string(), cells[2].to_string()));
+        }
+        rows
+    }
+
+    #[test]
+    fn readme_options_table_matches_the_table() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/README.md");
+        let readme = std::fs::read_to_string(path).expect("README.md");
+        let documented = readme_rows(&readme);
+        let expected: Vec<(String, String)> = MOUNT_OPTIONS
+            .iter()
+            .map(|s| (s.readme_option_cell(), s.readme_default_cell()))
+            .collect();
+        let row = |r: Option<&(String, String)>| match r {
+            Some((option, default)) => format!("| {option} | {default} |"),
+            None => "(no row)".to_string(),
+        };
+        for i in 0..documented.len().max(expected.len()) {
+            let (found, wanted) = (documented.get(i), expected.get(i));
+            assert!(
+                found == wanted,
+                "README.md's options table, row {}: has\n  {}\nwhere config::options::MOUNT_OPTIONS \
+                 says\n  {}\n(first two columns, in the table's order)",
+                i + 1,
+                row(found),
+                row(wanted),
+            );
+        }
+    }
+}
