@@ -107,7 +107,7 @@ enum DemoError {
     DeleteVolume(tonic::Status),
     /// The CSI services' own error, as they report it (text).
     #[error("CSI services: {0}")]
-    CsiServices(String),
+    CsiServices(crate::csi::StartError),
     #[error("CSI services: {0}")]
     CsiServicesTask(tokio::task::JoinError),
     #[error("the CSI services did not stop within 10s")]
@@ -180,7 +180,7 @@ struct Demo {
     root: PathBuf,
     server: Option<s3server::RunningServer>,
     csi_stop: Option<tokio::sync::oneshot::Sender<()>>,
-    csi_task: Option<tokio::task::JoinHandle<Result<(), String>>>,
+    csi_task: Option<tokio::task::JoinHandle<Result<(), crate::csi::StartError>>>,
     channel: Option<Channel>,
     volume: Option<pb::Volume>,
     published: Option<PathBuf>,

@@ -51,13 +51,6 @@ pub struct MetricsListenError {
     source: std::io::Error,
 }
 
-/// For callers that still carry errors as text (the CSI services' start).
-impl From<MetricsListenError> for String {
-    fn from(e: MetricsListenError) -> String {
-        e.to_string()
-    }
-}
-
 impl FromStr for MetricsAddress {
     type Err = BadMetricsAddress;
 

@@ -119,20 +119,22 @@ impl Drop for InFlightGuard {
 }
 
 /// `unix:///a/b.sock`, `unix:/a/b.sock` or `/a/b.sock` → `/a/b.sock`.
-pub fn socket_path(endpoint: &str) -> Result<PathBuf, String> {
+pub fn socket_path(endpoint: &str) -> Result<PathBuf, StartError> {
     let path = endpoint
         .strip_prefix("unix://")
         .or_else(|| endpoint.strip_prefix("unix:"))
         .unwrap_or(endpoint);
     if endpoint.contains("://") && !endpoint.starts_with("unix://") {
-        return Err(format!(
-            "endpoint {endpoint:?}: only unix:// sockets are served"
+        return Err(StartError::Endpoint(
+            endpoint.to_string(),
+            "only unix:// sockets are served",
         ));
     }
     let p = PathBuf::from(path);
     if !p.is_absolute() {
-        return Err(format!(
-            "endpoint {endpoint:?}: the socket path must be absolute"
+        return Err(StartError::Endpoint(
+            endpoint.to_string(),
+            "the socket path must be absolute",
         ));
     }
     Ok(p)
@@ -140,29 +142,30 @@ pub fn socket_path(endpoint: &str) -> Result<PathBuf, String> {
 
 /// Binds the socket: creates its directory (0700), replaces a stale socket file, refuses
 /// to steal a live one, and makes the socket 0600.
-fn bind_socket(path: &Path) -> Result<tokio::net::UnixListener, String> {
+fn bind_socket(path: &Path) -> Result<tokio::net::UnixListener, StartError> {
+    let io = |what: &'static str, p: &Path| {
+        let path = p.to_path_buf();
+        move |source| StartError::Socket { what, path, source }
+    };
     use std::os::unix::fs::{FileTypeExt, PermissionsExt};
     if let Some(dir) = path.parent() {
         if !dir.exists() {
-            std::fs::create_dir_all(dir)
-                .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+            std::fs::create_dir_all(dir).map_err(io("create", dir))?;
             let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
         }
     }
     if let Ok(meta) = std::fs::symlink_metadata(path) {
         if !meta.file_type().is_socket() {
-            return Err(format!("{} exists and is not a socket", path.display()));
+            return Err(StartError::NotASocket(path.to_path_buf()));
         }
         if std::os::unix::net::UnixStream::connect(path).is_ok() {
-            return Err(format!("another server is listening on {}", path.display()));
+            return Err(StartError::SocketInUse(path.to_path_buf()));
         }
-        std::fs::remove_file(path)
-            .map_err(|e| format!("cannot remove stale socket {}: {e}", path.display()))?;
+        std::fs::remove_file(path).map_err(io("remove stale socket", path))?;
     }
-    let listener = tokio::net::UnixListener::bind(path)
-        .map_err(|e| format!("cannot listen on {}: {e}", path.display()))?;
+    let listener = tokio::net::UnixListener::bind(path).map_err(io("listen on", path))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-        .map_err(|e| format!("cannot restrict {}: {e}", path.display()))?;
+        .map_err(io("restrict", path))?;
     Ok(listener)
 }
 
@@ -179,6 +182,45 @@ async fn shutdown_signal() {
         _ = int.recv() => "SIGINT",
     };
     tracing::info!(signal = name, "stopping; mounts keep running");
+}
+
+/// Why the CSI services could not start (or stopped serving).
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("endpoint {0:?}: {1}")]
+    Endpoint(String, &'static str),
+    #[error("cannot {what} {}: {source}", .path.display())]
+    Socket {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{} exists and is not a socket", .0.display())]
+    NotASocket(PathBuf),
+    #[error("another server is listening on {}", .0.display())]
+    SocketInUse(PathBuf),
+    #[error("--node-id is required for the node service")]
+    NodeIdMissing,
+    #[error("cannot find our own binary: {0}")]
+    OwnBinary(std::io::Error),
+    #[error("cannot use state directory {}: {source}", .dir.display())]
+    StateDir {
+        dir: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("--kubelet-dir {}: {source}", .dir.display())]
+    KubeletDir {
+        dir: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    PodMode(#[from] crate::mounter::pod::PodSetupError),
+    #[error(transparent)]
+    Metrics(#[from] crate::metrics::MetricsListenError),
+    #[error("--metrics-address: {0}")]
+    MetricsAddress(std::io::Error),
+    #[error("server failed: {0}")]
+    Serve(tonic::transport::Error),
 }
 
 /// Serves until SIGTERM/SIGINT. Returns the process exit code.
@@ -209,7 +251,7 @@ pub fn run(args: CsiArgs) -> i32 {
 pub async fn serve(
     args: CsiArgs,
     shutdown: impl std::future::Future<Output = ()> + Send,
-) -> Result<(), String> {
+) -> Result<(), StartError> {
     use pb::controller_server::ControllerServer;
     use pb::identity_server::IdentityServer;
     use pb::node_server::NodeServer;
@@ -235,14 +277,11 @@ pub async fn serve(
             .node_id
             .clone()
             .filter(|n| !n.is_empty())
-            .ok_or("--node-id is required for the node service")?;
-        let bin =
-            std::env::current_exe().map_err(|e| format!("cannot find our own binary: {e}"))?;
-        let state_error = |e: std::io::Error| {
-            format!(
-                "cannot use state directory {}: {e}",
-                args.state_dir.display()
-            )
+            .ok_or(StartError::NodeIdMissing)?;
+        let bin = std::env::current_exe().map_err(StartError::OwnBinary)?;
+        let state_error = |source| StartError::StateDir {
+            dir: args.state_dir.clone(),
+            source,
         };
         let backend: Arc<dyn MounterBackend> = match args.mounter.pod_settings(&node_id)? {
             Some(settings) => {
@@ -290,8 +329,10 @@ pub async fn serve(
         mounter.start_supervisor();
         let kubelet_dir = match &args.kubelet_dir {
             Some(d) => Some(
-                std::fs::canonicalize(d)
-                    .map_err(|e| format!("--kubelet-dir {}: {e}", d.display()))?,
+                std::fs::canonicalize(d).map_err(|source| StartError::KubeletDir {
+                    dir: d.clone(),
+                    source,
+                })?,
             ),
             None => None,
         };
@@ -322,9 +363,7 @@ pub async fn serve(
     );
     let metrics_task = match metrics_listener {
         Some(listener) => {
-            let addr = listener
-                .local_addr()
-                .map_err(|e| format!("--metrics-address: {e}"))?;
+            let addr = listener.local_addr().map_err(StartError::MetricsAddress)?;
             tracing::info!("serving metrics on http://{addr}/metrics");
             Some(crate::metrics::serve(listener, registry.clone()))
         }
@@ -344,7 +383,7 @@ pub async fn serve(
     let result = router
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await
-        .map_err(|e| format!("server failed: {e}"));
+        .map_err(StartError::Serve);
     if let Some(task) = metrics_task {
         task.abort();
     }

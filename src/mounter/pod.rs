@@ -97,13 +97,28 @@ pub struct MounterArgs {
     pub mounter_host_network: bool,
 }
 
-fn parse_resources(text: &str) -> Result<ResourceRequirements, String> {
-    serde_json::from_str(text).map_err(|e| format!("not a ResourceRequirements object: {e}"))
+/// Why pod mode cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum PodSetupError {
+    #[error("--mounter=pod needs --mounter-image")]
+    NoImage,
+    #[error("--mounter=pod needs --mounter-namespace (or POD_NAMESPACE)")]
+    NoNamespace,
+    #[error("cannot reach the Kubernetes API server: {0}")]
+    ApiServer(kube::Error),
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("not a ResourceRequirements object: {0}")]
+pub struct BadResources(serde_json::Error);
+
+fn parse_resources(text: &str) -> Result<ResourceRequirements, BadResources> {
+    serde_json::from_str(text).map_err(BadResources)
 }
 
 impl MounterArgs {
     /// The Pod settings for pod mode, None in process mode.
-    pub fn pod_settings(&self, node_name: &str) -> Result<Option<PodSettings>, String> {
+    pub fn pod_settings(&self, node_name: &str) -> Result<Option<PodSettings>, PodSetupError> {
         if self.mounter == MounterMode::Process {
             return Ok(None);
         }
@@ -111,12 +126,12 @@ impl MounterArgs {
             .mounter_image
             .clone()
             .filter(|i| !i.is_empty())
-            .ok_or("--mounter=pod needs --mounter-image")?;
+            .ok_or(PodSetupError::NoImage)?;
         let namespace = self
             .mounter_namespace
             .clone()
             .filter(|n| !n.is_empty())
-            .ok_or("--mounter=pod needs --mounter-namespace (or POD_NAMESPACE)")?;
+            .ok_or(PodSetupError::NoNamespace)?;
         Ok(Some(PodSettings {
             namespace,
             node_name: node_name.to_string(),
@@ -184,10 +199,10 @@ fn is_status(e: &kube::Error, code: u16) -> bool {
 impl PodLauncher {
     /// Connects with the usual configuration (KUBECONFIG, else in-cluster) and looks up
     /// this node, which owns the mounter Pods.
-    pub async fn connect(settings: PodSettings) -> Result<Self, String> {
+    pub async fn connect(settings: PodSettings) -> Result<Self, PodSetupError> {
         let client = Client::try_default()
             .await
-            .map_err(|e| format!("cannot reach the Kubernetes API server: {e}"))?;
+            .map_err(PodSetupError::ApiServer)?;
         let node_uid = match Api::<Node>::all(client.clone())
             .get(&settings.node_name)
             .await
