@@ -172,6 +172,22 @@ fn redirect_stdio(log_file: Option<&Path>) {
     }
 }
 
+fn start_logging(cfg: &MountConfig) {
+    crate::logging::init(if cfg.debug {
+        "s3csi=debug,info"
+    } else {
+        "info"
+    });
+}
+
+/// The runtime S3 requests and FUSE requests run on.
+fn io_runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("s3csi-io")
+        .build()
+}
+
 /// Runs `s3csi mount`; returns the process exit code.
 pub fn run_mount_command(args: MountArgs) -> i32 {
     let fail = |ready: &mut Readiness, msg: String| -> i32 {
@@ -215,16 +231,8 @@ pub fn run_mount_command(args: MountArgs) -> i32 {
             let _ = nix::unistd::dup2_stdin(&null);
         }
     }
-    crate::logging::init(if cfg.debug {
-        "s3csi=debug,info"
-    } else {
-        "info"
-    });
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .thread_name("s3csi-io")
-        .build()
-    {
+    start_logging(&cfg);
+    let rt = match io_runtime() {
         Ok(rt) => rt,
         Err(e) => return fail(&mut ready, format!("cannot start runtime: {e}")),
     };
@@ -340,11 +348,7 @@ fn run_handoff(args: &MountArgs, cfg: &MountConfig, dir: &Path) -> i32 {
     if let Ok(null) = std::fs::File::open("/dev/null") {
         let _ = nix::unistd::dup2_stdin(&null);
     }
-    crate::logging::init(if cfg.debug {
-        "s3csi=debug,info"
-    } else {
-        "info"
-    });
+    start_logging(cfg);
     let fail_as = |kind: FailureKind, msg: String| -> i32 {
         tracing::error!("{msg}");
         eprintln!("s3csi: {msg}");
@@ -352,11 +356,7 @@ fn run_handoff(args: &MountArgs, cfg: &MountConfig, dir: &Path) -> i32 {
         1
     };
     let fail = |msg: String| fail_as(FailureKind::Other, msg);
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .thread_name("s3csi-io")
-        .build()
-    {
+    let rt = match io_runtime() {
         Ok(rt) => rt,
         Err(e) => return fail(format!("cannot start runtime: {e}")),
     };

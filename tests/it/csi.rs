@@ -826,6 +826,19 @@ async fn controller_lifecycle_create_publish_delete() {
 
 const GIB: i64 = 1 << 30;
 
+/// The volume a CreateVolume that must succeed returns.
+async fn created(
+    ctl: &mut pb::controller_client::ControllerClient<tonic::transport::Channel>,
+    req: pb::CreateVolumeRequest,
+) -> pb::Volume {
+    ctl.create_volume(req)
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap()
+}
+
 /// A CreateVolume request as the external-provisioner sends it: `required` bytes at least,
 /// `limit` bytes at most (0: no bound).
 fn create_req(
@@ -987,21 +1000,9 @@ async fn create_volume_with_an_existing_name_and_another_capacity_is_already_exi
     let params = [("bucket", bucket.as_str()), ("basePrefix", "k8s")];
     let mut ctl = first.controller().await;
     // csi-sanity: 10 GiB (required and limit), then the same name with twice that.
-    let vol = ctl
-        .create_volume(create_req("pvc-cap", &params, 10 * GIB, 10 * GIB))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let vol = created(&mut ctl, create_req("pvc-cap", &params, 10 * GIB, 10 * GIB)).await;
     assert_eq!(vol.capacity_bytes, 10 * GIB);
-    let again = ctl
-        .create_volume(create_req("pvc-cap", &params, 10 * GIB, 10 * GIB))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let again = created(&mut ctl, create_req("pvc-cap", &params, 10 * GIB, 10 * GIB)).await;
     assert_eq!(again, vol, "the same request is the same volume");
     for (required, limit) in [(20 * GIB, 20 * GIB), (20 * GIB, 0), (0, 5 * GIB)] {
         let err = ctl
@@ -1017,13 +1018,7 @@ async fn create_volume_with_an_existing_name_and_another_capacity_is_already_exi
     }
     // A range that the volume's 10 GiB fit is compatible: the same volume.
     for (required, limit) in [(GIB, 0), (0, 20 * GIB), (0, 0)] {
-        let same = ctl
-            .create_volume(create_req("pvc-cap", &params, required, limit))
-            .await
-            .unwrap()
-            .into_inner()
-            .volume
-            .unwrap();
+        let same = created(&mut ctl, create_req("pvc-cap", &params, required, limit)).await;
         assert_eq!(same.capacity_bytes, 10 * GIB, "{required}..{limit}");
     }
     // The record is not in the volume: its prefix holds only its marker.
@@ -1038,13 +1033,7 @@ async fn create_volume_with_an_existing_name_and_another_capacity_is_already_exi
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::AlreadyExists, "after a restart: {err:?}");
-    let after_restart = ctl
-        .create_volume(create_req("pvc-cap", &params, 10 * GIB, 10 * GIB))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let after_restart = created(&mut ctl, create_req("pvc-cap", &params, 10 * GIB, 10 * GIB)).await;
     assert_eq!(after_restart, vol);
 
     // Another name that makes the same prefix ("pvc cap" is sanitised to "pvc-cap") is
@@ -1127,13 +1116,7 @@ async fn delete_volume_of_what_create_volume_did_not_make_is_ok_and_deletes_noth
     }
 
     let params = [("bucket", bucket.as_str()), ("basePrefix", "k8s")];
-    let vol = ctl
-        .create_volume(create_req("pvc-new", &params, GIB, 0))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let vol = created(&mut ctl, create_req("pvc-new", &params, GIB, 0)).await;
     client
         .put_object("k8s/pvc-new/a.txt", bytes::Bytes::from_static(b"a"))
         .await
@@ -1175,13 +1158,7 @@ async fn validate_volume_capabilities_of_a_missing_volume_is_not_found() {
         .unwrap();
     let mut ctl = server.controller().await;
     let params = [("bucket", bucket.as_str()), ("basePrefix", "k8s")];
-    let vol = ctl
-        .create_volume(create_req("pvc-val", &params, GIB, 0))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let vol = created(&mut ctl, create_req("pvc-val", &params, GIB, 0)).await;
     for (id, ctx) in [
         (vol.volume_id.clone(), vol.volume_context.clone()),
         (bucket.clone(), HashMap::new()),
@@ -1268,20 +1245,8 @@ async fn controller_volumes_on_the_embedded_s3_server() {
     .await;
     let mut ctl = server.controller().await;
     let params = [("bucket", bucket), ("basePrefix", "k8s")];
-    let vol = ctl
-        .create_volume(create_req("pvc-e", &params, 10 * GIB, 10 * GIB))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
-    let again = ctl
-        .create_volume(create_req("pvc-e", &params, 10 * GIB, 10 * GIB))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let vol = created(&mut ctl, create_req("pvc-e", &params, 10 * GIB, 10 * GIB)).await;
+    let again = created(&mut ctl, create_req("pvc-e", &params, 10 * GIB, 10 * GIB)).await;
     assert_eq!(again, vol);
     let err = ctl
         .create_volume(create_req("pvc-e", &params, 20 * GIB, 20 * GIB))
