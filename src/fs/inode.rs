@@ -308,15 +308,18 @@ impl InodeTable {
             self.unbind_name(old_parent, &old_name);
         }
         let replaced = self.bind(new_parent, new_name, ino);
+        let kind = self.by_ino.get(&ino).map_or(Kind::File, |i| i.kind);
         let new_key = self
             .by_ino
             .get(&new_parent)
-            .map(|p| p.child_key(new_name, Kind::File));
+            .map(|p| p.child_key(new_name, kind));
         if let (Some(i), Some(key)) = (self.by_ino.get_mut(&ino), new_key) {
             i.parent = new_parent;
             i.name = new_name.to_string();
             i.key = key;
         }
+        // A directory's descendants move with it: their keys follow its new one.
+        self.rekey_children(ino);
         if let Some(r) = replaced.filter(|r| *r != ino) {
             self.log_gone(r);
             self.maybe_remove(r);
@@ -325,6 +328,42 @@ impl InodeTable {
             self.log_known(ino);
         }
         replaced
+    }
+
+    fn rekey_children(&mut self, dir: u64) {
+        let Some(parent) = self.by_ino.get(&dir).cloned() else {
+            return;
+        };
+        let children: Vec<u64> = self
+            .children
+            .get(&dir)
+            .map(|c| c.values().copied().collect())
+            .unwrap_or_default();
+        for child in children {
+            let Some(i) = self.by_ino.get_mut(&child) else {
+                continue;
+            };
+            i.key = parent.child_key(&i.name, i.kind);
+            if self.logged.remove(&child) {
+                self.log_known(child);
+            }
+            self.rekey_children(child);
+        }
+    }
+
+    /// Every inode bound below `dir`, at any depth.
+    pub fn descendants(&self, dir: u64) -> Vec<u64> {
+        let mut out = Vec::new();
+        let mut todo = vec![dir];
+        while let Some(d) = todo.pop() {
+            if let Some(c) = self.children.get(&d) {
+                for ino in c.values() {
+                    out.push(*ino);
+                    todo.push(*ino);
+                }
+            }
+        }
+        out
     }
 
     pub fn add_lookup(&mut self, ino: u64) {

@@ -1,6 +1,9 @@
-//! Changes to the namespace: mkdir, rmdir, unlink and rename.
+//! Changes to the namespace: mkdir, rmdir, unlink and rename (of files, and of directories
+//! by copying every object under them on the server).
 
 use super::*;
+use crate::s3::S3Result;
+use futures::StreamExt;
 
 impl S3Fs {
     pub async fn mkdir(&self, parent: u64, name: &str) -> FsResult<Attr> {
@@ -146,8 +149,9 @@ impl S3Fs {
             self.await_pending(src.ino).await?;
         }
         if src.kind == Kind::Dir {
-            tracing::info!(key = %src.key, "directory rename refused with EXDEV; mv copies instead");
-            return Err(FsError::CrossDevice);
+            return self
+                .rename_dir(&src, new_parent, &dst_dir, new_name, no_replace)
+                .await;
         }
         if src.writer.is_some() {
             return Err(FsError::Busy(
@@ -190,4 +194,142 @@ impl S3Fs {
         }
         Ok(())
     }
+
+    /// Renames a directory as S3 allows: every object under it is copied on the server
+    /// to the new prefix, and only once all copies exist are the old ones deleted, so a
+    /// failure leaves the old tree whole (copies already made are removed again). Not
+    /// atomic: another client listing meanwhile sees both trees, or parts of the new one.
+    async fn rename_dir(
+        &self,
+        src: &Inode,
+        new_parent: u64,
+        dst_dir: &Inode,
+        new_name: &str,
+        no_replace: bool,
+    ) -> FsResult<()> {
+        let src_prefix = src.key.clone();
+        let dst_prefix = format!("{}{}/", dst_dir.key, new_name);
+        if dst_prefix == src_prefix {
+            return Ok(());
+        }
+        if dst_prefix.starts_with(&src_prefix) {
+            return Err(FsError::Invalid("a directory cannot move into itself"));
+        }
+        match self.resolve(new_parent, new_name).await {
+            Ok(_) if no_replace => return Err(FsError::Exists),
+            Ok(a) if a.kind != Kind::Dir => return Err(FsError::NotDir),
+            Ok(_) => {
+                if self
+                    .first_keys(&dst_prefix, 2)
+                    .await?
+                    .iter()
+                    .any(|(k, _)| *k != dst_prefix)
+                {
+                    return Err(FsError::NotEmpty);
+                }
+            }
+            Err(FsError::NotFound) => {}
+            Err(e) => return Err(e),
+        }
+        // Files under it whose empty PUT is under way must be in S3 to be copied; files
+        // being written cannot move.
+        let (descendants, writing) = {
+            let t = self.inodes();
+            let descendants = t.descendants(src.ino);
+            let writing = descendants
+                .iter()
+                .any(|d| t.get(*d).is_some_and(|i| i.writer.is_some()));
+            (descendants, writing)
+        };
+        if writing {
+            return Err(FsError::Busy(
+                "rename of a directory with files being written",
+            ));
+        }
+        for ino in &descendants {
+            self.await_pending(*ino).await?;
+        }
+        let objects = self
+            .first_keys(&src_prefix, MAX_DIR_RENAME_OBJECTS + 1)
+            .await?;
+        if objects.len() > MAX_DIR_RENAME_OBJECTS {
+            tracing::info!(key = %src_prefix, "directory rename of more than {MAX_DIR_RENAME_OBJECTS} objects refused with EXDEV; mv copies instead");
+            return Err(FsError::CrossDevice);
+        }
+        let concurrency = self.cfg.max_concurrency.max(1);
+        // Owned futures, collected first: a stream that holds a closure over borrowed
+        // items is not provably Send for the FUSE adapter's spawn.
+        let copying: Vec<_> = objects
+            .iter()
+            .map(|(key, size)| {
+                let (client, key, size) = (self.client.clone(), key.clone(), *size);
+                let to = format!("{dst_prefix}{}", &key[src_prefix.len()..]);
+                async move {
+                    let done = client.copy_object(&key, &to, size).await;
+                    (to, done)
+                }
+            })
+            .collect();
+        let copies: Vec<(String, S3Result<()>)> = futures::stream::iter(copying)
+            .buffer_unordered(concurrency)
+            .collect()
+            .await;
+        if let Some(failed) = copies.iter().find_map(|(_, r)| r.clone().err()) {
+            for (to, _) in copies.iter().filter(|(_, r)| r.is_ok()) {
+                if let Err(e) = self.client.delete_object(to).await {
+                    tracing::warn!(key = %to, error = %e, "cannot remove a copy of a failed directory rename");
+                }
+            }
+            return Err(failed.into());
+        }
+        let deleting: Vec<_> = objects
+            .iter()
+            .map(|(key, _)| {
+                let (client, key) = (self.client.clone(), key.clone());
+                async move { client.delete_object(&key).await }
+            })
+            .collect();
+        let deletes: Vec<S3Result<()>> = futures::stream::iter(deleting)
+            .buffer_unordered(concurrency)
+            .collect()
+            .await;
+        if let Some(e) = deletes.into_iter().find_map(Result::err) {
+            // The new tree is whole; some old objects stay behind and show again.
+            tracing::error!(key = %src_prefix, error = %e, "directory renamed, but not all old objects could be deleted");
+            return Err(e.into());
+        }
+        let mut t = self.inodes();
+        t.rebind(src.ino, new_parent, new_name);
+        if let Some(i) = t.get_mut(src.ino) {
+            i.validated = Some(Instant::now());
+        }
+        Ok(())
+    }
+
+    /// Up to `max` objects (key, size) under `prefix`, in key order.
+    async fn first_keys(&self, prefix: &str, max: usize) -> FsResult<Vec<(String, u64)>> {
+        let mut out = Vec::new();
+        let mut token: Option<String> = None;
+        loop {
+            let page = self
+                .client
+                .list(ListRequest {
+                    prefix,
+                    delimiter: None,
+                    continuation: token.as_deref(),
+                    max_keys: 1000,
+                })
+                .await?;
+            out.extend(page.objects.into_iter().map(|o| (o.key, o.meta.size)));
+            if out.len() >= max || page.next_token.is_none() {
+                out.truncate(max);
+                return Ok(out);
+            }
+            token = page.next_token;
+        }
+    }
 }
+
+/// Above this many objects a directory rename is refused with EXDEV (`mv` then copies
+/// file by file, showing progress, and can be interrupted).
+const MAX_DIR_RENAME_OBJECTS: usize = 10_000;

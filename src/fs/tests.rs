@@ -153,6 +153,7 @@ macro_rules! on_both_stores {
 }
 
 on_both_stores!(
+    directories_rename_with_everything_under_them,
     implicit_and_marker_directories_are_listed,
     write_read_rename_unlink_round_trip,
     existing_objects_take_appends_but_refuse_writes_elsewhere,
@@ -189,6 +190,75 @@ async fn names(fs: &S3Fs, ino: u64) -> Vec<String> {
     }
     fs.releasedir(fh);
     out
+}
+
+async fn directories_rename_with_everything_under_them(store: Store) {
+    store.put("a/", "").await;
+    store.put("a/x", "x").await;
+    store.put("a/sub/y", "yy").await;
+    store.put("other/z", "z").await;
+    store.put("f", "f").await;
+    let fs = fs_with_store(&store, "");
+    let a = fs.lookup(ROOT, "a").await.unwrap();
+    let sub = fs.lookup(a.ino, "sub").await.unwrap();
+    let y = fs.lookup(sub.ino, "y").await.unwrap();
+    fs.rename(ROOT, "a", ROOT, "b", false).await.unwrap();
+    assert_eq!(fs.flush_all().await, 0);
+    let mut keys = store.keys().await;
+    keys.sort();
+    assert_eq!(keys, ["b/", "b/sub/y", "b/x", "f", "other/z"]);
+    // Inodes the kernel holds keep working, at their new keys.
+    let fh = fs.open(y.ino, R).await.unwrap();
+    assert_eq!(fs.read(fh, 0, 2).await.unwrap().as_ref(), b"yy");
+    fs.release(fh).await.unwrap();
+    assert_eq!(fs.lookup(ROOT, "b").await.unwrap().ino, a.ino);
+    assert!(matches!(fs.lookup(ROOT, "a").await, Err(FsError::NotFound)));
+    assert_eq!(names(&fs, sub.ino).await, [".", "..", "y"]);
+
+    assert!(matches!(
+        fs.rename(ROOT, "b", sub.ino, "inner", false).await,
+        Err(FsError::Invalid(_))
+    ));
+    assert!(matches!(
+        fs.rename(ROOT, "b", ROOT, "other", false).await,
+        Err(FsError::NotEmpty)
+    ));
+    assert!(matches!(
+        fs.rename(ROOT, "b", ROOT, "f", false).await,
+        Err(FsError::NotDir)
+    ));
+    let empty = fs.mkdir(ROOT, "empty").await.unwrap();
+    assert!(matches!(
+        fs.rename(ROOT, "b", ROOT, "empty", true).await,
+        Err(FsError::Exists)
+    ));
+    // A file being written under it keeps the directory where it is.
+    let (_, fh) = fs.create(sub.ino, "w", W).await.unwrap();
+    fs.write(fh, 0, b"w", Some(1)).await.unwrap();
+    assert!(matches!(
+        fs.rename(ROOT, "b", ROOT, "c", false).await,
+        Err(FsError::Busy(_))
+    ));
+    fs.flush(fh, 1).await.unwrap();
+    fs.release(fh).await.unwrap();
+    // Onto an empty directory: it is replaced.
+    fs.rename(ROOT, "b", ROOT, "empty", false).await.unwrap();
+    assert_eq!(fs.lookup(ROOT, "empty").await.unwrap().ino, a.ino);
+    assert_ne!(a.ino, empty.ino);
+    assert_eq!(fs.flush_all().await, 0);
+    let mut keys = store.keys().await;
+    keys.sort();
+    assert_eq!(
+        keys,
+        [
+            "empty/",
+            "empty/sub/w",
+            "empty/sub/y",
+            "empty/x",
+            "f",
+            "other/z"
+        ]
+    );
 }
 
 async fn implicit_and_marker_directories_are_listed(store: Store) {
@@ -255,10 +325,13 @@ async fn write_read_rename_unlink_round_trip(store: Store) {
         b"hello world, multipart"
     );
     assert!(matches!(fs.rmdir(ROOT, "d").await, Err(FsError::NotEmpty)));
-    assert!(matches!(
-        fs.rename(ROOT, "d", ROOT, "e", false).await,
-        Err(FsError::CrossDevice)
-    ));
+    // A directory moves with what is under it, and back.
+    fs.rename(ROOT, "d", ROOT, "e", false).await.unwrap();
+    assert_eq!(
+        store.get("e/g").await.unwrap().as_ref(),
+        b"hello world, multipart"
+    );
+    fs.rename(ROOT, "e", ROOT, "d", false).await.unwrap();
     fs.unlink(d.ino, "g").await.unwrap();
     fs.rmdir(ROOT, "d").await.unwrap();
     // Deletes after the first one are sent in the background (see `deletes.rs`).

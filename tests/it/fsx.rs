@@ -367,12 +367,41 @@ impl Fsx<'_> {
                     return;
                 }
                 let d = self.rng.pick(&dirs[1..]).clone();
-                expect(
-                    "directory rename",
-                    fs::rename(self.p(&d), self.p("renamed-dir")),
-                    libc::EXDEV,
-                );
-                self.count("refused: rename dir");
+                let to = self
+                    .rng
+                    .pick(&["moved-1", "moved-2", "moved-3"])
+                    .to_string();
+                if d == to {
+                    return;
+                }
+                self.note(format!("rename dir {d} -> {to}"));
+                let (from_prefix, to_prefix) = (format!("{d}/"), format!("{to}/"));
+                let onto_non_empty = self.model.keys().any(|k| k.starts_with(&to_prefix));
+                match fs::rename(self.p(&d), self.p(&to)) {
+                    Ok(()) => {
+                        assert!(
+                            !onto_non_empty,
+                            "rename of {d} onto non-empty {to} succeeded"
+                        );
+                        let moved: Vec<(String, Node)> = self
+                            .model
+                            .iter()
+                            .filter(|(k, _)| **k == d || k.starts_with(&from_prefix))
+                            .map(|(k, n)| (k.clone(), n.clone()))
+                            .collect();
+                        self.model.remove(&to);
+                        for (k, n) in moved {
+                            self.model.remove(&k);
+                            self.model.insert(format!("{to}{}", &k[d.len()..]), n);
+                        }
+                        self.count("rename dir");
+                    }
+                    Err(e) => {
+                        assert!(onto_non_empty, "rename dir {d} -> {to}: {e}");
+                        assert_eq!(errno(&e), libc::ENOTEMPTY, "rename dir {d} -> {to}");
+                        self.count("refused: rename dir onto non-empty");
+                    }
+                }
                 self.check_tree();
             }
             4 => {

@@ -350,15 +350,38 @@ fn overwrite_append_truncate_and_refused_modifications() {
     drop(f);
     assert_eq!(s3_get(&bucket, "f").unwrap(), b"");
 
-    // Directory rename: EXDEV, so mv falls back to copy + delete.
-    fs::create_dir(m.path("d")).unwrap();
+    // Directory rename: every object under it moves on the server (as os.rename, git do).
+    fs::create_dir_all(m.path("d/sub")).unwrap();
+    fs::write(m.path("d/sub/x"), b"x").unwrap();
+    fs::write(m.path("d/y"), b"y").unwrap();
+    fs::rename(m.path("d"), m.path("e")).unwrap();
+    assert_eq!(fs::read(m.path("e/sub/x")).unwrap(), b"x");
+    assert!(!m.path("d").exists());
+    assert_eq!(s3_get(&bucket, "e/y").unwrap(), b"y");
+    assert_eq!(s3_get(&bucket, "e/sub/x").unwrap(), b"x");
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while !s3_keys(&bucket, "d/").is_empty() {
+        assert!(
+            std::time::Instant::now() < until,
+            "{:?}",
+            s3_keys(&bucket, "d/")
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Onto a non-empty directory: ENOTEMPTY; into itself: EINVAL.
+    fs::create_dir(m.path("full")).unwrap();
+    fs::write(m.path("full/z"), b"z").unwrap();
     assert_eq!(
-        errno_of(fs::rename(m.path("d"), m.path("e")).unwrap_err()),
-        libc::EXDEV
+        errno_of(fs::rename(m.path("e"), m.path("full")).unwrap_err()),
+        libc::ENOTEMPTY
+    );
+    assert_eq!(
+        errno_of(fs::rename(m.path("e"), m.path("e/sub/inner")).unwrap_err()),
+        libc::EINVAL
     );
     let out = Command::new("mv")
-        .arg(m.path("d"))
         .arg(m.path("e"))
+        .arg(m.path("g"))
         .output()
         .unwrap();
     assert!(
@@ -366,7 +389,7 @@ fn overwrite_append_truncate_and_refused_modifications() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(m.path("e").is_dir() && !m.path("d").exists());
+    assert!(m.path("g/sub").is_dir() && !m.path("e").exists());
 
     // Symlinks and hard links: EOPNOTSUPP.
     assert_eq!(
