@@ -219,11 +219,11 @@ impl S3Fs {
             Ok(_) if no_replace => return Err(FsError::Exists),
             Ok(a) if a.kind != Kind::Dir => return Err(FsError::NotDir),
             Ok(_) => {
-                if self
-                    .first_keys(&dst_prefix, 2)
-                    .await?
-                    .iter()
-                    .any(|(k, _)| *k != dst_prefix)
+                let there = self.first_keys(&dst_prefix, MAX_DIR_RENAME_OBJECTS).await?;
+                if there.iter().any(|o| o.key != dst_prefix)
+                    && !self
+                        .left_by_an_interrupted_rename(&there, &src_prefix, &dst_prefix)
+                        .await?
                 {
                     return Err(FsError::NotEmpty);
                 }
@@ -261,8 +261,8 @@ impl S3Fs {
         // items is not provably Send for the FUSE adapter's spawn.
         let copying: Vec<_> = objects
             .iter()
-            .map(|(key, size)| {
-                let (client, key, size) = (self.client.clone(), key.clone(), *size);
+            .map(|o| {
+                let (client, key, size) = (self.client.clone(), o.key.clone(), o.size);
                 let to = format!("{dst_prefix}{}", &key[src_prefix.len()..]);
                 async move {
                     let done = client.copy_object(&key, &to, size).await;
@@ -284,8 +284,8 @@ impl S3Fs {
         }
         let deleting: Vec<_> = objects
             .iter()
-            .map(|(key, _)| {
-                let (client, key) = (self.client.clone(), key.clone());
+            .map(|o| {
+                let (client, key) = (self.client.clone(), o.key.clone());
                 async move { client.delete_object(&key).await }
             })
             .collect();
@@ -306,8 +306,28 @@ impl S3Fs {
         Ok(())
     }
 
-    /// Up to `max` objects (key, size) under `prefix`, in key order.
-    async fn first_keys(&self, prefix: &str, max: usize) -> FsResult<Vec<(String, u64)>> {
+    /// A destination that holds only identical copies (same relative key, same ETag) of
+    /// objects of the source is what a rename of the source that was interrupted while
+    /// copying left behind: the retry may take it over and finish the job.
+    async fn left_by_an_interrupted_rename(
+        &self,
+        there: &[ListedKey],
+        src_prefix: &str,
+        dst_prefix: &str,
+    ) -> FsResult<bool> {
+        let ours = self.first_keys(src_prefix, MAX_DIR_RENAME_OBJECTS).await?;
+        let by_name: HashMap<&str, &Option<String>> = ours
+            .iter()
+            .map(|o| (&o.key[src_prefix.len()..], &o.etag))
+            .collect();
+        Ok(there
+            .iter()
+            .filter(|o| o.key != dst_prefix)
+            .all(|o| o.etag.is_some() && by_name.get(&o.key[dst_prefix.len()..]) == Some(&&o.etag)))
+    }
+
+    /// Up to `max` objects under `prefix`, in key order.
+    async fn first_keys(&self, prefix: &str, max: usize) -> FsResult<Vec<ListedKey>> {
         let mut out = Vec::new();
         let mut token: Option<String> = None;
         loop {
@@ -320,7 +340,11 @@ impl S3Fs {
                     max_keys: 1000,
                 })
                 .await?;
-            out.extend(page.objects.into_iter().map(|o| (o.key, o.meta.size)));
+            out.extend(page.objects.into_iter().map(|o| ListedKey {
+                key: o.key,
+                size: o.meta.size,
+                etag: o.meta.etag,
+            }));
             if out.len() >= max || page.next_token.is_none() {
                 out.truncate(max);
                 return Ok(out);
@@ -328,6 +352,12 @@ impl S3Fs {
             token = page.next_token;
         }
     }
+}
+
+struct ListedKey {
+    key: String,
+    size: u64,
+    etag: Option<String>,
 }
 
 /// Above this many objects a directory rename is refused with EXDEV (`mv` then copies
