@@ -1,31 +1,44 @@
 //! Prometheus metrics of the CSI services: `s3csi csi --metrics-address HOST:PORT` serves
 //! `GET /metrics` in the text exposition format 0.0.4 over plain HTTP (any other path is 404).
+//! The metrics are prometheus-client's, encoded by its 0.0.4 text encoder.
 //!
 //! - `s3csi_build_info{version}` — always 1;
 //! - `s3csi_grpc_requests_total{method,code}` — CSI calls served, by RPC name and gRPC status
 //!   code as grpc-go spells it (`OK`, `InvalidArgument`, ...), counted by [`Metered`] around
 //!   every service;
-//! - `s3csi_grpc_request_duration_seconds{method}` — a summary (sum and count) of the time
-//!   spent in those calls;
+//! - `s3csi_grpc_request_duration_seconds{method}` — a histogram of the time spent in those
+//!   calls (prometheus-client has no summary; `_sum` and `_count` are what they were);
 //! - values read when scraped ([`Registry::gauge`], [`Registry::counter`]): the node service
-//!   registers `s3csi_mounts` and `s3csi_mounter_replacements_total`.
+//!   registers `s3csi_mounts` and `s3csi_mounter_replacements_total`;
+//! - the node service's mounters' own metrics, by volume ([`Registry::scrape_mounters`],
+//!   [`mounters`]).
 //!
 //! Nothing is global: [`crate::csi::serve`] makes one [`Registry`] per run.
 
-use std::collections::BTreeMap;
+pub mod mounters;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{
+    prometheus_text, DescriptorEncoder, EncodeLabelSet, EncodeMetric,
+};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::MetricType;
 use std::convert::Infallible;
-use std::fmt::Write as _;
 use std::future::Future;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::str::FromStr;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 use tonic::codegen::{http, Service};
 
 /// The `Content-Type` of the text exposition format.
-pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+pub const CONTENT_TYPE: &str = prometheus_text::CONTENT_TYPE;
 
 /// Where to serve metrics: `IP:PORT`, `[IPv6]:PORT`, or `:PORT` for every interface.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,42 +107,150 @@ impl MetricsAddress {
     }
 }
 
-#[derive(Default, Clone, Copy)]
-struct Calls {
-    count: u64,
-    seconds: f64,
+/// The labels of `s3csi_grpc_requests_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CallLabels {
+    method: String,
+    code: &'static str,
 }
 
-type Read = Box<dyn Fn() -> f64 + Send + Sync>;
+/// The labels of `s3csi_grpc_request_duration_seconds`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct MethodLabels {
+    method: String,
+}
 
-struct Sampled {
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct VersionLabels {
+    version: &'static str,
+}
+
+/// Bucket bounds of the gRPC latency histogram: a Probe takes microseconds, a publish
+/// waits for a mounter and S3 (up to the mount timeout).
+const GRPC_SECONDS_BUCKETS: [f64; 13] = [
+    0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+fn grpc_histogram() -> Histogram {
+    Histogram::new(GRPC_SECONDS_BUCKETS)
+}
+
+/// A value read when scraped, as a gauge or a counter: a prometheus-client collector.
+pub struct Sampled {
     name: &'static str,
     help: &'static str,
-    kind: &'static str,
-    read: Read,
+    metric_type: MetricType,
+    read: Box<dyn Fn() -> u64 + Send + Sync>,
 }
 
-/// The metrics of one run of the CSI services.
-#[derive(Default)]
+impl std::fmt::Debug for Sampled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sampled").field("name", &self.name).finish()
+    }
+}
+
+impl Sampled {
+    /// A gauge whose value `read` returns at every scrape.
+    pub fn gauge(
+        name: &'static str,
+        help: &'static str,
+        read: impl Fn() -> u64 + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            name,
+            help,
+            metric_type: MetricType::Gauge,
+            read: Box::new(read),
+        }
+    }
+
+    /// A counter that `read` returns at every scrape; `name` without the `_total` that the
+    /// encoder appends.
+    pub fn counter(
+        name: &'static str,
+        help: &'static str,
+        read: impl Fn() -> u64 + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            name,
+            help,
+            metric_type: MetricType::Counter,
+            read: Box::new(read),
+        }
+    }
+}
+
+impl Collector for Sampled {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        let value = (self.read)();
+        let metric = encoder.encode_descriptor(self.name, self.help, None, self.metric_type)?;
+        match self.metric_type {
+            MetricType::Counter => ConstCounter::new(value).encode(metric),
+            _ => ConstGauge::new(value as i64).encode(metric),
+        }
+    }
+}
+
+/// The metrics of one run of the CSI services: a prometheus-client registry, plus the
+/// mounters of the node service when [`Registry::scrape_mounters`] was called.
 pub struct Registry {
-    /// (method, code) → calls.
-    calls: Mutex<BTreeMap<(String, String), Calls>>,
-    sampled: Mutex<Vec<Sampled>>,
+    /// Locked to register (the node service adds its gauges after the start) and to encode.
+    families: Mutex<prometheus_client::registry::Registry>,
+    calls: Family<CallLabels, Counter>,
+    call_seconds: Family<MethodLabels, Histogram, fn() -> Histogram>,
+    mounters: OnceLock<mounters::MounterScraper>,
 }
 
 impl Registry {
     pub fn new() -> Arc<Self> {
-        Arc::default()
+        let mut families = prometheus_client::registry::Registry::default();
+        let build_info = Family::<VersionLabels, Gauge>::default();
+        build_info
+            .get_or_create(&VersionLabels {
+                version: env!("CARGO_PKG_VERSION"),
+            })
+            .set(1);
+        // prometheus-client appends the final period of every help text.
+        families.register(
+            "s3csi_build_info",
+            "Version of the s3csi binary (the value is always 1)",
+            build_info,
+        );
+        let calls = Family::<CallLabels, Counter>::default();
+        // Registered without `_total`: the encoder appends it to every counter.
+        families.register(
+            "s3csi_grpc_requests",
+            "CSI gRPC calls served, by method and gRPC status code",
+            calls.clone(),
+        );
+        let call_seconds: Family<MethodLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(grpc_histogram);
+        families.register(
+            "s3csi_grpc_request_duration_seconds",
+            "Time spent serving CSI gRPC calls, by method",
+            call_seconds.clone(),
+        );
+        Arc::new(Self {
+            families: Mutex::new(families),
+            calls,
+            call_seconds,
+            mounters: OnceLock::new(),
+        })
     }
 
     /// Counts one finished gRPC call.
     pub fn observe_call(&self, method: &str, code: tonic::Code, elapsed: Duration) {
-        let mut calls = self.calls.lock().unwrap();
-        let c = calls
-            .entry((method.to_string(), code_name(code).to_string()))
-            .or_default();
-        c.count += 1;
-        c.seconds += elapsed.as_secs_f64();
+        self.calls
+            .get_or_create(&CallLabels {
+                method: method.to_string(),
+                code: code_name(code),
+            })
+            .inc();
+        self.call_seconds
+            .get_or_create(&MethodLabels {
+                method: method.to_string(),
+            })
+            .observe(elapsed.as_secs_f64());
     }
 
     /// A gauge whose value `read` returns at every scrape.
@@ -137,84 +258,62 @@ impl Registry {
         &self,
         name: &'static str,
         help: &'static str,
-        read: impl Fn() -> f64 + Send + Sync + 'static,
+        read: impl Fn() -> u64 + Send + Sync + 'static,
     ) {
-        self.sample(name, help, "gauge", Box::new(read));
+        self.register_collector(Sampled::gauge(name, help, read));
     }
 
-    /// A counter (a value that only grows) that `read` returns at every scrape.
+    /// A counter (a value that only grows) that `read` returns at every scrape; `name`
+    /// without the `_total` that the encoder appends.
     pub fn counter(
         &self,
         name: &'static str,
         help: &'static str,
-        read: impl Fn() -> f64 + Send + Sync + 'static,
+        read: impl Fn() -> u64 + Send + Sync + 'static,
     ) {
-        self.sample(name, help, "counter", Box::new(read));
+        self.register_collector(Sampled::counter(name, help, read));
     }
 
-    fn sample(&self, name: &'static str, help: &'static str, kind: &'static str, read: Read) {
-        self.sampled.lock().unwrap().push(Sampled {
-            name,
-            help,
-            kind,
-            read,
-        });
+    fn register_collector(&self, collector: Sampled) {
+        self.families
+            .lock()
+            .unwrap()
+            .register_collector(Box::new(collector));
     }
 
-    /// Every metric in the text exposition format.
-    pub fn render(&self) -> String {
+    /// Adds the metrics of the node's mounters to every scrape: `list` names the mounts
+    /// (volume ID, handoff directory) at scrape time. Once per registry.
+    pub fn scrape_mounters(
+        &self,
+        list: impl Fn() -> Vec<(String, PathBuf)> + Send + Sync + 'static,
+    ) {
+        let scraper = mounters::MounterScraper::new(Box::new(list));
+        self.families.lock().unwrap().register(
+            "s3csi_mounter_scrape_errors",
+            "Mounters that did not answer a scrape in time (their metrics were left out)",
+            scraper.errors.clone(),
+        );
+        if self.mounters.set(scraper).is_err() {
+            tracing::warn!("metrics: mounters registered twice; keeping the first");
+        }
+    }
+
+    /// Every metric in the text exposition format 0.0.4: ours, then the mounters'.
+    pub async fn render(&self) -> String {
+        // The mounters first: a scrape that fails is counted in this very exposition.
+        let mounter_text = match self.mounters.get() {
+            Some(scraper) => Some(scraper.collect().await),
+            None => None,
+        };
         let mut out = String::new();
-        header(
-            &mut out,
-            "s3csi_build_info",
-            "gauge",
-            "Version of the s3csi binary (the value is always 1).",
-        );
-        let _ = writeln!(
-            out,
-            "s3csi_build_info{{version=\"{}\"}} 1",
-            escape(env!("CARGO_PKG_VERSION"))
-        );
-
-        let calls = self.calls.lock().unwrap().clone();
-        header(
-            &mut out,
-            "s3csi_grpc_requests_total",
-            "counter",
-            "CSI gRPC calls served, by method and gRPC status code.",
-        );
-        let mut by_method: BTreeMap<&str, Calls> = BTreeMap::new();
-        for ((method, code), c) in &calls {
-            let _ = writeln!(
-                out,
-                "s3csi_grpc_requests_total{{method=\"{}\",code=\"{}\"}} {}",
-                escape(method),
-                escape(code),
-                c.count
-            );
-            let m = by_method.entry(method).or_default();
-            m.count += c.count;
-            m.seconds += c.seconds;
+        let families = self.families.lock().unwrap();
+        // Writing to a String cannot fail; a collector that could would be a bug.
+        if let Err(e) = prometheus_text::encode(&mut out, &families) {
+            tracing::error!(error = %e, "metrics: cannot encode");
         }
-        header(
-            &mut out,
-            "s3csi_grpc_request_duration_seconds",
-            "summary",
-            "Time spent serving CSI gRPC calls, by method.",
-        );
-        for (method, c) in by_method {
-            let method = escape(method);
-            let _ = writeln!(
-                out,
-                "s3csi_grpc_request_duration_seconds_sum{{method=\"{method}\"}} {}\n\
-                 s3csi_grpc_request_duration_seconds_count{{method=\"{method}\"}} {}",
-                c.seconds, c.count
-            );
-        }
-
-        for s in self.sampled.lock().unwrap().iter() {
-            header(&mut out, s.name, s.kind, s.help);
-            let _ = writeln!(out, "{} {}", s.name, (s.read)());
+        drop(families);
+        if let Some(merged) = mounter_text {
+            merged.append_to(&mut out);
         }
         out
     }
@@ -242,18 +341,6 @@ fn code_name(code: tonic::Code) -> &'static str {
         DataLoss => "DataLoss",
         Unauthenticated => "Unauthenticated",
     }
-}
-
-fn header(out: &mut String, name: &str, kind: &str, help: &str) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-}
-
-/// A label value as the text format wants it.
-fn escape(value: &str) -> String {
-    value
-        .replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
 }
 
 /// The RPC name of a gRPC path (`/csi.v1.Node/NodePublishVolume` → `NodePublishVolume`);
@@ -335,8 +422,8 @@ pub fn serve(
                         let registry = registry.clone();
                         conns.spawn(async move {
                             let svc = hyper::service::service_fn(move |req| {
-                                let response = respond(&req, &registry);
-                                async move { Ok::<_, Infallible>(response) }
+                                let registry = registry.clone();
+                                async move { Ok::<_, Infallible>(respond(&req, &registry).await) }
                             });
                             let _ = hyper::server::conn::http1::Builder::new()
                                 .timer(hyper_util::rt::TokioTimer::new())
@@ -356,7 +443,7 @@ pub fn serve(
     })
 }
 
-fn respond<B>(req: &http::Request<B>, registry: &Registry) -> http::Response<String> {
+async fn respond<B>(req: &http::Request<B>, registry: &Registry) -> http::Response<String> {
     use http::{header, Method, StatusCode};
     let reply = |status: StatusCode, body: String| {
         let mut r = http::Response::new(body);
@@ -375,7 +462,7 @@ fn respond<B>(req: &http::Request<B>, registry: &Registry) -> http::Response<Str
             .insert(header::ALLOW, http::HeaderValue::from_static("GET, HEAD"));
         return r;
     }
-    let mut r = reply(StatusCode::OK, registry.render());
+    let mut r = reply(StatusCode::OK, registry.render().await);
     r.headers_mut().insert(
         header::CONTENT_TYPE,
         http::HeaderValue::from_static(CONTENT_TYPE),
@@ -422,8 +509,8 @@ mod tests {
         assert_eq!(method_of("/csi.v1.Node/a\"b"), "unknown");
     }
 
-    #[test]
-    fn text_format() {
+    #[tokio::test]
+    async fn text_format() {
         let r = Registry::new();
         r.observe_call("Probe", tonic::Code::Ok, Duration::from_millis(2));
         r.observe_call("Probe", tonic::Code::Ok, Duration::from_millis(1));
@@ -432,24 +519,33 @@ mod tests {
             tonic::Code::InvalidArgument,
             Duration::from_millis(1),
         );
-        let n = Arc::new(std::sync::atomic::AtomicUsize::new(3));
+        let n = Arc::new(std::sync::atomic::AtomicU64::new(3));
         let n2 = n.clone();
         r.gauge("s3csi_mounts", "Mounts.", move || {
-            n2.load(std::sync::atomic::Ordering::Relaxed) as f64
+            n2.load(std::sync::atomic::Ordering::Relaxed)
         });
-        let text = r.render();
+        r.counter("s3csi_mounter_replacements", "Replacements.", || 7);
+        let text = r.render().await;
         assert!(text.contains("s3csi_grpc_requests_total{method=\"Probe\",code=\"OK\"} 2\n"));
         assert!(text.contains(
             "s3csi_grpc_requests_total{method=\"NodePublishVolume\",code=\"InvalidArgument\"} 1\n"
         ));
+        assert!(text.contains("# TYPE s3csi_grpc_requests_total counter\n"));
+        assert!(text.contains("# TYPE s3csi_grpc_request_duration_seconds histogram\n"));
         assert!(text.contains("s3csi_grpc_request_duration_seconds_count{method=\"Probe\"} 2\n"));
+        assert!(text.contains(
+            "s3csi_grpc_request_duration_seconds_bucket{method=\"Probe\",le=\"0.005\"} 2\n"
+        ));
         assert!(text.contains("# TYPE s3csi_mounts gauge\ns3csi_mounts 3\n"));
+        assert!(text.contains(
+            "# TYPE s3csi_mounter_replacements_total counter\ns3csi_mounter_replacements_total 7\n"
+        ));
+        assert!(!text.contains("# EOF"), "{text}");
         n.store(5, std::sync::atomic::Ordering::Relaxed);
-        assert!(r.render().contains("s3csi_mounts 5\n"));
+        assert!(r.render().await.contains("s3csi_mounts 5\n"));
         assert!(text.contains(&format!(
-            "s3csi_build_info{{version=\"{}\"}} 1\n",
+            "# TYPE s3csi_build_info gauge\ns3csi_build_info{{version=\"{}\"}} 1\n",
             env!("CARGO_PKG_VERSION")
         )));
-        assert_eq!(escape("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
     }
 }

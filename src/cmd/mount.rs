@@ -10,10 +10,14 @@ use crate::config::{MountArgs, MountConfig};
 use crate::fs::fuse::FuseAdapter;
 use crate::fs::session::{serve_descriptor, HandoffFiles};
 use crate::fs::{FsConfig, S3Fs};
+use crate::metrics::Sampled;
 use crate::mounter::handoff::{self, Failure};
 use crate::mounter::FailureKind;
 use crate::s3::aws::AwsClient;
+use crate::s3::metered::{MeteredClient, S3Metrics};
 use crate::s3::{ListRequest, ObjectClient, S3Error};
+use prometheus_client::encoding::prometheus_text;
+use prometheus_client::registry::Registry;
 use std::io::{Read, Write};
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
@@ -397,7 +401,10 @@ fn run_handoff(args: &MountArgs, cfg: &MountConfig, dir: &Path) -> i32 {
             Err(e) => tracing::warn!(error = %e, "control connection failed"),
         }
     };
+    let s3_metrics = Arc::new(S3Metrics::default());
+    let client = MeteredClient::new(Arc::new(client), s3_metrics.clone());
     let fs = Arc::new(S3Fs::new(Arc::new(client), FsConfig::from(cfg)));
+    let metrics = mounter_metrics(&s3_metrics, &fs);
     // The kernel enforces access (allow_other or only root, set by the node service).
     let acl = if cfg.allow_root && !cfg.allow_other {
         fuser::SessionACL::RootAndOwner
@@ -428,7 +435,7 @@ fn run_handoff(args: &MountArgs, cfg: &MountConfig, dir: &Path) -> i32 {
     drop(conn);
     std::thread::Builder::new()
         .name("s3csi-control".into())
-        .spawn(move || serve_control(listener, fuse_fd))
+        .spawn(move || serve_control(listener, fuse_fd, metrics))
         .ok();
 
     let stop = rt.block_on(wait_for_stop(&background));
@@ -449,8 +456,23 @@ fn run_handoff(args: &MountArgs, cfg: &MountConfig, dir: &Path) -> i32 {
     0
 }
 
-/// Answers the node service on the control socket once serving: `FD` gets our descriptor.
-fn serve_control(listener: std::os::unix::net::UnixListener, fuse_fd: OwnedFd) {
+/// What a mounter answers to METRICS: its S3 requests and open files.
+fn mounter_metrics(s3: &S3Metrics, fs: &Arc<S3Fs>) -> Registry {
+    let mut registry = Registry::default();
+    s3.register(&mut registry);
+    // Weak: the control thread must not keep the file system alive past the mount.
+    let fs = Arc::downgrade(fs);
+    registry.register_collector(Box::new(Sampled::gauge(
+        "s3csi_open_file_handles",
+        "Files open on the mount (directories not counted)",
+        move || fs.upgrade().map_or(0, |fs| fs.open_file_handles() as u64),
+    )));
+    registry
+}
+
+/// Answers the node service on the control socket once serving: `FD` gets our descriptor,
+/// `METRICS` the text exposition of `metrics`.
+fn serve_control(listener: std::os::unix::net::UnixListener, fuse_fd: OwnedFd, metrics: Registry) {
     use std::os::fd::AsRawFd;
     for conn in listener.incoming() {
         let Ok(conn) = conn else { continue };
@@ -463,6 +485,17 @@ fn serve_control(listener: std::os::unix::net::UnixListener, fuse_fd: OwnedFd) {
             }
             Ok((line, _)) if line == "PING" => {
                 let _ = handoff::send(&conn, &format!("OK pid={}", std::process::id()), None);
+            }
+            Ok((line, _)) if line == "METRICS" => {
+                let mut text = String::new();
+                match prometheus_text::encode(&mut text, &metrics) {
+                    Ok(()) => {
+                        let _ = handoff::send_metrics(&conn, &text);
+                    }
+                    Err(e) => {
+                        let _ = handoff::send(&conn, &format!("ERR cannot encode: {e}"), None);
+                    }
+                }
             }
             Ok((line, _)) => {
                 let _ = handoff::send(&conn, &format!("ERR unknown request {line:?}"), None);

@@ -317,14 +317,17 @@ pub async fn serve(
         registry.gauge(
             "s3csi_mounts",
             "Mounts the node service tracks (starting, serving or being unmounted).",
-            move || m.mount_count() as f64,
+            move || m.mount_count() as u64,
         );
         let m = mounter.clone();
         registry.counter(
-            "s3csi_mounter_replacements_total",
+            "s3csi_mounter_replacements",
             "Mounter processes that died and were replaced while their mount was held.",
-            move || m.replacements_total() as f64,
+            move || m.replacements_total(),
         );
+        // Each mounter's own metrics (S3 requests, bytes, open files), by volume.
+        let m = mounter.clone();
+        registry.scrape_mounters(move || m.mounter_endpoints());
         // Replaces mounters that die while their mount is held.
         mounter.start_supervisor();
         let kubelet_dir = match &args.kubelet_dir {

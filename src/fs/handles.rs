@@ -72,6 +72,14 @@ impl S3Fs {
         fh
     }
 
+    /// How many files (not directories) are open: the mounter's `s3csi_open_file_handles`.
+    pub fn open_file_handles(&self) -> usize {
+        lock(&self.handles)
+            .values()
+            .filter(|h| matches!(h, Handle::File(_)))
+            .count()
+    }
+
     /// The handle `fh`, if this mounter opened it. The table's lock is released before
     /// this returns: callers often need it again (remove) in the same statement's scope.
     pub(super) fn handle(&self, fh: u64) -> Option<Handle> {

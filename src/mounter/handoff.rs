@@ -13,6 +13,9 @@
 //! - `FD` (node → mounter): send your descriptor back (a restarted node service collects
 //!   the descriptors of the mounters that outlived the previous one); answer `OK` + fd.
 //! - `PING`: answer `OK pid=N`.
+//! - `METRICS` (once serving): answer `OK <length>` and then exactly `<length>` bytes, the
+//!   mounter's metrics in the text exposition format 0.0.4 (which spans many lines, hence
+//!   the length: the answer is one line followed by a body the line announces).
 //!
 //! Files in the handoff directory (0700, owned by the node service's user):
 //! - `control.sock`: the mounter's listening socket;
@@ -146,6 +149,60 @@ pub fn serve_fd(dir: &Path, fd: RawFd, timeout: Duration) -> Result<(), Failure>
     }
 }
 
+/// The largest METRICS answer the node service reads (a mounter's exposition is a few KiB).
+pub const MAX_METRICS_BYTES: usize = 16 << 20;
+
+/// Why a mounter's metrics could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum MetricsFetchError {
+    #[error("control socket: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    #[error("the mounter answered {0:?}")]
+    Refused(String),
+    #[error("an answer of {0} bytes is over the limit")]
+    TooLarge(usize),
+    #[error("the metrics are not UTF-8")]
+    NotText,
+}
+
+/// Asks the mounter behind `dir` for its metrics; the whole exchange within `timeout`.
+/// Async, unlike the other requests: a scrape asks every mounter at once.
+pub async fn fetch_metrics(dir: &Path, timeout: Duration) -> Result<String, MetricsFetchError> {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+    let exchange = async {
+        let mut stream = tokio::net::UnixStream::connect(control_socket(dir)).await?;
+        stream.write_all(b"METRICS\n").await?;
+        let mut reader = BufReader::new(stream);
+        let mut header = String::new();
+        // The header is one short line: a peer that never ends it is not read forever.
+        (&mut reader).take(256).read_line(&mut header).await?;
+        let header = header.trim_end_matches('\n');
+        let length: usize = header
+            .strip_prefix("OK ")
+            .and_then(|n| n.parse().ok())
+            .ok_or_else(|| MetricsFetchError::Refused(header.to_string()))?;
+        if length > MAX_METRICS_BYTES {
+            return Err(MetricsFetchError::TooLarge(length));
+        }
+        let mut body = vec![0; length];
+        reader.read_exact(&mut body).await?;
+        String::from_utf8(body).map_err(|_| MetricsFetchError::NotText)
+    };
+    tokio::time::timeout(timeout, exchange)
+        .await
+        .map_err(|_| MetricsFetchError::Timeout(timeout))?
+}
+
+/// The mounter's answer to METRICS: the `OK <length>` line, then `text`.
+pub fn send_metrics(mut stream: &UnixStream, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut answer = format!("OK {}\n", text.len()).into_bytes();
+    answer.extend_from_slice(text.as_bytes());
+    stream.write_all(&answer)
+}
+
 pub use super::kernel::KernelMount;
 
 /// Why a mounter gave up, as it tells the node service: in `FAILURE_FILE` when it stops
@@ -258,5 +315,37 @@ mod tests {
         assert!(line == "OK" && fd.is_none());
         drop(b);
         assert!(recv(&a).is_err());
+    }
+
+    #[tokio::test]
+    async fn metrics_cross_the_control_socket_with_their_length() {
+        let dir =
+            std::env::temp_dir().join(format!("s3csi-handoff-metrics-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let _ = std::fs::remove_file(control_socket(&dir));
+        let listener = std::os::unix::net::UnixListener::bind(control_socket(&dir)).unwrap();
+        let text = "# TYPE a counter\na_total 1\n";
+        let mounter = std::thread::spawn(move || {
+            for answer in [Some(text), None] {
+                let (conn, _) = listener.accept().unwrap();
+                let (line, _) = recv(&conn).unwrap();
+                assert_eq!(line, "METRICS");
+                match answer {
+                    Some(text) => send_metrics(&conn, text).unwrap(),
+                    None => send(&conn, "ERR not serving yet", None).unwrap(),
+                }
+            }
+        });
+        let got = fetch_metrics(&dir, Duration::from_secs(5)).await.unwrap();
+        assert_eq!(got, text);
+        let err = fetch_metrics(&dir, Duration::from_secs(5))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, MetricsFetchError::Refused(ref l) if l == "ERR not serving yet"),
+            "{err}"
+        );
+        mounter.join().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -132,6 +132,17 @@ impl MountManager {
         self.mounts.lock().unwrap().len()
     }
 
+    /// (volume ID, handoff directory) of every mount whose mounter serves (not starting,
+    /// being replaced or unmounted): where the metrics endpoint asks for mounter metrics.
+    pub fn mounter_endpoints(&self) -> Vec<(String, PathBuf)> {
+        let mounts = self.mounts.lock().unwrap();
+        mounts
+            .values()
+            .filter(|t| !t.stopping && t.replacing.is_none())
+            .map(|t| (t.volume_id.clone(), t.handoff_dir.clone()))
+            .collect()
+    }
+
     pub(super) fn op_lock(&self, target: &Path) -> Arc<tokio::sync::Mutex<()>> {
         self.ops
             .lock()

@@ -7,6 +7,7 @@
 
 pub mod aws;
 pub mod mem;
+pub mod metered;
 
 use async_trait::async_trait;
 use bytes::Bytes;

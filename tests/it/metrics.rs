@@ -5,7 +5,7 @@
 use crate::common;
 
 use common::node_service::{publish_req, read, CsiServer, Mode, Options};
-use common::{is_mountpoint, new_bucket, s3csi_bin, scratch_dir};
+use common::{client, close_checked, is_mountpoint, new_bucket, runtime, s3csi_bin, scratch_dir};
 use s3csi::csi::pb;
 use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Write};
@@ -177,10 +177,23 @@ fn parse_text_format(text: &str) -> BTreeMap<String, f64> {
         let family = [name, name.strip_suffix("_sum").unwrap_or(name)]
             .into_iter()
             .chain(name.strip_suffix("_count"))
+            .chain(name.strip_suffix("_bucket"))
             .find(|f| types.contains_key(*f))
             .unwrap_or_else(|| panic!("no # TYPE before {line}"));
         if family != name {
-            assert_eq!(types[family], "summary", "{line}");
+            // `_sum` and `_count` of a summary or a histogram, `_bucket{le}` of a histogram.
+            if name.ends_with("_bucket") {
+                assert_eq!(types[family], "histogram", "{line}");
+                assert!(
+                    labels.iter().any(|l| l.starts_with("le=\"")),
+                    "a bucket without le: {line}"
+                );
+            } else {
+                assert!(
+                    ["summary", "histogram"].contains(&types[family].as_str()),
+                    "{line}"
+                );
+            }
         }
         let key = if labels.is_empty() {
             name.to_string()
@@ -340,6 +353,7 @@ async fn metrics_endpoint_serves_only_metrics() {
     let samples = server.scrape();
     assert!(!samples.contains_key("s3csi_mounts"), "{samples:?}");
     assert!(!samples.contains_key("s3csi_mounter_replacements_total"));
+    assert!(!samples.contains_key("s3csi_mounter_scrape_errors_total"));
     assert_eq!(requests(&samples, "ControllerGetCapabilities", "OK"), 1.0);
     // A service this process does not serve is not counted as one of its methods.
     assert_eq!(requests(&samples, "NodeGetInfo", "Unimplemented"), 0.0);
@@ -377,4 +391,191 @@ fn bad_metrics_address_fails_at_start() {
         "{text}"
     );
     assert!(!dir.join("plugin").join("csi.sock").exists());
+}
+
+/// The samples of family `name` whose labels include every one of `labels` (`key="value"`).
+fn matching<'a>(
+    samples: &'a BTreeMap<String, f64>,
+    name: &str,
+    labels: &[&str],
+) -> Vec<(&'a String, f64)> {
+    samples
+        .iter()
+        .filter(|(k, _)| {
+            k.strip_prefix(name)
+                .and_then(|rest| rest.strip_prefix('{'))
+                .is_some_and(|rest| {
+                    let rest = rest.trim_end_matches('}');
+                    labels
+                        .iter()
+                        .all(|l| rest.split(',').any(|have| have == *l))
+                })
+        })
+        .map(|(k, v)| (k, *v))
+        .collect()
+}
+
+fn sum(samples: &BTreeMap<String, f64>, name: &str, labels: &[&str]) -> f64 {
+    matching(samples, name, labels).iter().map(|(_, v)| v).sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_include_each_mounters_s3_requests_by_volume() {
+    use s3csi::s3::ObjectClient;
+    let server = Server::start(Mode::Node);
+    let bucket = new_bucket("mounter-metrics");
+    // An object written straight to S3: reading it through the mount must GET it.
+    const READ_LEN: usize = 200_000;
+    let seed: Vec<u8> = (0..READ_LEN).map(|i| (i % 251) as u8).collect();
+    // On a thread of its own: the helpers block on their own runtime.
+    let (b, body) = (bucket.clone(), seed.clone());
+    std::thread::spawn(move || runtime().block_on(client(&b).put_object("seeded", body.into())))
+        .join()
+        .unwrap()
+        .unwrap();
+
+    let target = server.csi.dir().join("pods").join("mount");
+    std::fs::create_dir_all(&target).unwrap();
+    let mut node = server.csi.node().await;
+    node.node_publish_volume(publish_req(&bucket, &target))
+        .await
+        .unwrap_or_else(|e| panic!("publish: {e}\n{}", server.csi.log_text()));
+    let volume = format!("volume_id=\"{bucket}\"");
+
+    const WRITE_LEN: usize = 300_000;
+    let mut f = std::fs::File::create(target.join("written")).unwrap();
+    f.write_all(&vec![7u8; WRITE_LEN]).unwrap();
+    close_checked(f).unwrap();
+    assert_eq!(std::fs::read(target.join("seeded")).unwrap(), seed);
+    // One file held open across the scrape.
+    let held = std::fs::File::open(target.join("seeded")).unwrap();
+
+    let started = std::time::Instant::now();
+    let samples = server.scrape();
+    let scrape_time = started.elapsed();
+    assert!(scrape_time < Duration::from_secs(2), "{scrape_time:?}");
+    let put_ok = sum(
+        &samples,
+        "s3csi_s3_requests_total",
+        &[&volume, "operation=\"PutObject\"", "outcome=\"ok\""],
+    );
+    let get_ok = sum(
+        &samples,
+        "s3csi_s3_requests_total",
+        &[&volume, "operation=\"GetObject\"", "outcome=\"ok\""],
+    );
+    assert!(put_ok >= 1.0 && get_ok >= 1.0, "{samples:#?}");
+    let written = samples[&format!("s3csi_s3_bytes_total{{{volume},direction=\"written\"}}")];
+    let read_bytes = samples[&format!("s3csi_s3_bytes_total{{{volume},direction=\"read\"}}")];
+    assert!(
+        (WRITE_LEN as f64..=2.0 * WRITE_LEN as f64).contains(&written),
+        "{written}"
+    );
+    // The seeded object at least once; prefetch and the mounter's own reads stay well under
+    // a few times both files.
+    assert!(
+        (READ_LEN as f64..=3.0 * (READ_LEN + WRITE_LEN) as f64).contains(&read_bytes),
+        "{read_bytes}"
+    );
+    assert_eq!(
+        samples.get(&format!("s3csi_open_file_handles{{{volume}}}")),
+        Some(&1.0),
+        "{samples:#?}"
+    );
+    // The latency histogram counts what the counter counts.
+    let get_count = samples
+        [&format!("s3csi_s3_request_duration_seconds_count{{{volume},operation=\"GetObject\"}}")];
+    let get_all = sum(
+        &samples,
+        "s3csi_s3_requests_total",
+        &[&volume, "operation=\"GetObject\""],
+    );
+    assert_eq!(get_count, get_all);
+    let get_inf = samples[&format!(
+        "s3csi_s3_request_duration_seconds_bucket{{{volume},operation=\"GetObject\",le=\"+Inf\"}}"
+    )];
+    assert_eq!(get_inf, get_count);
+    // Every mounter sample names its volume.
+    for key in samples.keys().filter(|k| k.starts_with("s3csi_s3_")) {
+        assert!(key.contains(&volume), "{key}");
+    }
+    assert_eq!(
+        samples.get("s3csi_mounter_scrape_errors_total"),
+        Some(&0.0),
+        "{samples:#?}"
+    );
+    drop(held);
+
+    node.node_unpublish_volume(pb::NodeUnpublishVolumeRequest {
+        volume_id: bucket.clone(),
+        target_path: target.to_string_lossy().to_string(),
+    })
+    .await
+    .unwrap();
+    let unmounted = server.scrape();
+    assert!(
+        !unmounted.keys().any(|k| k.starts_with("s3csi_s3_")),
+        "{unmounted:#?}"
+    );
+    assert_eq!(
+        unmounted.get("s3csi_mounter_scrape_errors_total"),
+        Some(&0.0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mounter_that_does_not_answer_is_skipped_and_counted() {
+    let server = Server::start(Mode::Node);
+    let bucket = new_bucket("stuck-mounter");
+    let target = server.csi.dir().join("pods").join("mount");
+    std::fs::create_dir_all(&target).unwrap();
+    let mut node = server.csi.node().await;
+    node.node_publish_volume(publish_req(&bucket, &target))
+        .await
+        .unwrap_or_else(|e| panic!("publish: {e}\n{}", server.csi.log_text()));
+    std::fs::write(target.join("f"), b"x").unwrap();
+    let pid = server.csi.mounter_pid();
+    // A stopped mounter: its control socket accepts (the kernel queues the connection) but
+    // nobody answers. The scrape must not wait for it longer than the per-mounter timeout.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGSTOP,
+    )
+    .unwrap();
+    let started = std::time::Instant::now();
+    let samples = server.scrape();
+    let scrape_time = started.elapsed();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGCONT,
+    )
+    .unwrap();
+    assert!(
+        scrape_time >= Duration::from_millis(1900) && scrape_time < Duration::from_secs(5),
+        "{scrape_time:?}"
+    );
+    assert_eq!(
+        samples.get("s3csi_mounter_scrape_errors_total"),
+        Some(&1.0),
+        "{samples:#?}"
+    );
+    assert!(!samples.keys().any(|k| k.starts_with("s3csi_s3_")));
+    // Our own metrics are all there.
+    assert_eq!(samples.get("s3csi_mounts"), Some(&1.0));
+    // Running again, it answers again.
+    let samples = server.scrape();
+    assert!(
+        sum(
+            &samples,
+            "s3csi_s3_requests_total",
+            &[&format!("volume_id=\"{bucket}\"")]
+        ) > 0.0,
+        "{samples:#?}"
+    );
+    node.node_unpublish_volume(pb::NodeUnpublishVolumeRequest {
+        volume_id: bucket.clone(),
+        target_path: target.to_string_lossy().to_string(),
+    })
+    .await
+    .unwrap();
 }
