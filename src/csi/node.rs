@@ -278,30 +278,26 @@ impl NodeService {
         };
         // statvfs waits (up to the timeout) on a mount whose mounter does not answer: a
         // blocking call, kept off the async workers.
-        let statvfs = tokio::task::spawn_blocking(move || {
-            crate::mounter::statvfs_within(&path, std::time::Duration::from_secs(5))
-        })
-        .await
-        .map_err(|e| CsiError::Internal(format!("the statvfs task failed: {e}")))?;
-        match statvfs {
-            Ok(s) => {
-                let frsize = s.fragment_size().max(1) as i64;
-                let total = s.blocks() as i64 * frsize;
-                let available = s.blocks_available() as i64 * frsize;
-                let free = s.blocks_free() as i64 * frsize;
-                let itotal = s.files() as i64;
-                let ifree = s.files_free() as i64;
+        let mounter = self.mounter.clone();
+        let usage = tokio::task::spawn_blocking(move || mounter.usage(&path))
+            .await
+            .map_err(|e| CsiError::Internal(format!("the statvfs task failed: {e}")))?;
+        let signed = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        match usage {
+            Ok(u) => {
+                let (total, free) = (signed(u.total_bytes), signed(u.free_bytes));
+                let (itotal, ifree) = (signed(u.total_inodes), signed(u.free_inodes));
                 Ok(pb::NodeGetVolumeStatsResponse {
                     usage: vec![
                         pb::VolumeUsage {
-                            available: available.max(0),
-                            total: total.max(0),
+                            available: signed(u.available_bytes),
+                            total,
                             used: (total - free).max(0),
                             unit: Unit::Bytes as i32,
                         },
                         pb::VolumeUsage {
-                            available: ifree.max(0),
-                            total: itotal.max(0),
+                            available: ifree,
+                            total: itotal,
                             used: (itotal - ifree).max(0),
                             unit: Unit::Inodes as i32,
                         },

@@ -42,6 +42,9 @@ pub struct Usage {
     pub free_inodes: u64,
 }
 
+/// How long a probe of a mount (statvfs) waits for an answer.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+
 pub trait Kernel: Send + Sync + 'static {
     /// Opens `/dev/fuse` and mounts a `fuse.s3csi` file system served through it on
     /// `target`. The first request on the descriptor is the kernel's FUSE_INIT.
@@ -56,15 +59,12 @@ pub trait Kernel: Send + Sync + 'static {
 
     /// The topmost mount on `target`, if any.
     fn find(&self, target: &Path) -> Option<MountEntry> {
-        self.mounts()
-            .into_iter()
-            .rev()
-            .find(|e| e.mount_point == target)
+        mountinfo::topmost(&self.mounts(), target).cloned()
     }
 
     /// `Some(reason)` when the mount on `target` does not answer (ENOTCONN and friends).
     fn probe(&self, target: &Path) -> Option<String> {
-        self.usage_within(target, Duration::from_secs(5))
+        self.usage_within(target, PROBE_TIMEOUT)
             .err()
             .map(|e| e.to_string())
     }
@@ -138,7 +138,7 @@ impl Kernel for RealKernel {
 
 /// statvfs that gives up after `timeout`. (The thread that waits ends when the answer
 /// comes.)
-pub fn statvfs_within(
+fn statvfs_within(
     target: &Path,
     timeout: Duration,
 ) -> Result<nix::sys::statvfs::Statvfs, ProbeError> {

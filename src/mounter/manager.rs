@@ -4,7 +4,7 @@
 
 use super::backend::{MounterBackend, MounterHandle};
 use super::handoff;
-use super::kernel::Kernel;
+use super::kernel::{Kernel, ProbeError, Usage, PROBE_TIMEOUT};
 use super::state::MountRecord;
 use super::{
     blocking, key_for, private_file, FailureKind, MountError, MountRequest, MountStatus, Mounter,
@@ -61,6 +61,14 @@ impl Tracked {
     }
 }
 
+/// Creates `dir` (and its parents), readable by its owner only: mount records and mounter
+/// logs name volumes, buckets and paths.
+fn private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+}
+
 pub struct MountManager {
     pub(super) kernel: Arc<dyn Kernel>,
     pub(super) backend: Arc<dyn MounterBackend>,
@@ -73,22 +81,19 @@ pub struct MountManager {
 }
 
 impl MountManager {
-    /// Creates the state directory (records and logs name volumes, buckets and paths:
-    /// root's business only).
+    /// Creates the state directory, private to its owner (see `private_dir`).
     pub fn new(
         kernel: Arc<dyn Kernel>,
         backend: Arc<dyn MounterBackend>,
         state_dir: PathBuf,
         timeouts: Timeouts,
     ) -> std::io::Result<Self> {
-        use std::os::unix::fs::PermissionsExt;
         for dir in [
             state_dir.clone(),
             state_dir.join("mounts"),
             state_dir.join("handoff"),
         ] {
-            std::fs::create_dir_all(&dir)?;
-            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
+            private_dir(&dir)?;
         }
         Ok(Self {
             kernel,
@@ -103,10 +108,8 @@ impl MountManager {
 
     /// The directory mounter logs go to (process mode).
     pub fn logs_dir(state_dir: &Path) -> std::io::Result<PathBuf> {
-        use std::os::unix::fs::PermissionsExt;
         let dir = state_dir.join("logs");
-        std::fs::create_dir_all(&dir)?;
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
+        private_dir(&dir)?;
         Ok(dir)
     }
 
@@ -208,11 +211,8 @@ impl MountManager {
                     continue;
                 }
             };
-            let is_mounted = mounted
-                .iter()
-                .rev()
-                .find(|e| e.mount_point == record.target)
-                .is_some_and(|e| e.is_fuse());
+            let is_mounted =
+                super::mountinfo::topmost(&mounted, &record.target).is_some_and(|e| e.is_fuse());
             let (mounter, alive) = self.backend.adopt(&record);
             if !is_mounted && !alive {
                 tracing::info!(volume_id = record.volume_id, target = %record.target.display(),
@@ -530,6 +530,10 @@ impl Mounter for MountManager {
         self.mounts.lock().unwrap().remove(target);
         self.remove_state(target);
         Ok(())
+    }
+
+    fn usage(&self, target: &Path) -> Result<Usage, ProbeError> {
+        self.kernel.usage_within(target, PROBE_TIMEOUT)
     }
 
     fn status(&self, target: &Path) -> MountStatus {

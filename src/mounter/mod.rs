@@ -39,7 +39,6 @@ use async_trait::async_trait;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-pub use kernel::statvfs_within;
 pub use manager::MountManager;
 pub use mountinfo::MountEntry;
 
@@ -132,6 +131,9 @@ pub trait Mounter: Send + Sync + 'static {
     /// Unmounts whatever is on `target` and stops its mounter. OK when nothing is there.
     async fn unmount(&self, target: &Path) -> Result<(), MountError>;
     fn status(&self, target: &Path) -> MountStatus;
+    /// What statvfs says of the mount on `target`, giving up after a few seconds (a
+    /// mount whose mounter does not answer would make it wait). Blocks.
+    fn usage(&self, target: &Path) -> Result<kernel::Usage, kernel::ProbeError>;
 }
 
 /// How often the supervisor looks for dead mounters.

@@ -63,7 +63,12 @@ pub fn read() -> Vec<MountEntry> {
 
 /// The topmost mount on `path`, if any.
 pub fn find(path: &Path) -> Option<MountEntry> {
-    read().into_iter().rev().find(|e| e.mount_point == path)
+    topmost(&read(), path).cloned()
+}
+
+/// The topmost of `entries` (in mount order) on `path`.
+pub fn topmost<'a>(entries: &'a [MountEntry], path: &Path) -> Option<&'a MountEntry> {
+    entries.iter().rev().find(|e| e.mount_point == path)
 }
 
 #[cfg(test)]
