@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs and is missing, on Debian 12 (root): fuse3, curl,
-# python3 + pip, the moto S3 server and the chart test tools. Quick when all is there
+# python3 + pip, git, the moto S3 server and the chart test tools. Quick when all is there
 # (one `pip install` that finds everything satisfied). Called by test.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +12,9 @@ need_apt=()
 command -v fusermount3 >/dev/null || need_apt+=(fuse3)
 command -v curl >/dev/null || need_apt+=(curl)
 command -v unshare >/dev/null || need_apt+=(util-linux)
+# Real programs the edit-in-place tests run on a mount.
+command -v git >/dev/null || need_apt+=(git)
+command -v tar >/dev/null || need_apt+=(tar)
 command -v python3 >/dev/null || need_apt+=(python3 python3-pip)
 if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get update -qq

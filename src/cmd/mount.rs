@@ -244,7 +244,18 @@ pub fn run_mount_command(args: MountArgs) -> i32 {
     if let Err(e) = rt.block_on(check_bucket(&client, &cfg)) {
         return fail(&mut ready, e.to_string());
     }
-    let fs = Arc::new(S3Fs::new(Arc::new(client), FsConfig::from(&cfg)));
+    let fs_cfg = FsConfig {
+        cache_dir: Some(
+            args.cache_dir
+                .clone()
+                .unwrap_or_else(|| default_cache_dir(&mountpoint)),
+        ),
+        ..FsConfig::from(&cfg)
+    };
+    let fs = Arc::new(S3Fs::new(Arc::new(client), fs_cfg));
+    if let Err(e) = fs.open_staging() {
+        return fail(&mut ready, format!("cannot use the cache directory: {e}"));
+    }
     let adapter = FuseAdapter::new(fs.clone(), rt.handle().clone());
     let mut options = vec![
         fuser::MountOption::FSName(format!("s3csi:{}", cfg.source.bucket)),
@@ -332,6 +343,22 @@ async fn wait_for_stop(background: &fuser::BackgroundSession) -> Option<&'static
     }
 }
 
+/// `/var/tmp/s3csi/<hash of the mountpoint>`: on disk (not a tmpfs), private to root or
+/// the mounting user, the same for every mount of one directory, so a remount finds
+/// edits a crashed predecessor left.
+fn default_cache_dir(mountpoint: &Path) -> PathBuf {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    mountpoint.hash(&mut h);
+    let uid = nix::unistd::geteuid().as_raw();
+    let base = if uid == 0 {
+        PathBuf::from("/var/tmp/s3csi")
+    } else {
+        PathBuf::from(format!("/var/tmp/s3csi-{uid}"))
+    };
+    base.join(format!("{:016x}", h.finish()))
+}
+
 /// Leaves the reason we are giving up in the handoff directory: in pod mode our stderr
 /// belongs to the container runtime, and the node service reports this to kubelet.
 fn record_failure(dir: &Path, failure: &Failure) {
@@ -403,7 +430,16 @@ fn run_handoff(args: &MountArgs, cfg: &MountConfig, dir: &Path) -> i32 {
     };
     let s3_metrics = Arc::new(S3Metrics::default());
     let client = MeteredClient::new(Arc::new(client), s3_metrics.clone());
-    let fs = Arc::new(S3Fs::new(Arc::new(client), FsConfig::from(cfg)));
+    // In the mount's state directory: a replacement mounter finds what its predecessor
+    // staged (see `StagingArea::open`).
+    let fs_cfg = FsConfig {
+        cache_dir: Some(args.cache_dir.clone().unwrap_or_else(|| dir.join("cache"))),
+        ..FsConfig::from(cfg)
+    };
+    let fs = Arc::new(S3Fs::new(Arc::new(client), fs_cfg));
+    if let Err(e) = fs.open_staging() {
+        return fail(format!("cannot use the cache directory: {e}"));
+    }
     let metrics = mounter_metrics(&s3_metrics, &fs);
     // The kernel enforces access (allow_other or only root, set by the node service).
     let acl = if cfg.allow_root && !cfg.allow_other {

@@ -18,6 +18,8 @@ pub struct MountArgs {
     pub mountpoint: PathBuf,
     pub foreground: bool,
     pub log_file: Option<PathBuf>,
+    /// Where staged files live (`--cache-dir`); `None`: the default (see `cmd::mount`).
+    pub cache_dir: Option<PathBuf>,
     /// (CSI node service only) serve the descriptor handed over in this directory.
     pub handoff_dir: Option<PathBuf>,
     /// (CSI node service only) with `handoff_dir`: take over from a mounter that died.
@@ -48,7 +50,7 @@ fn flag_of(spec: &'static OptionSpec) -> Arg {
     match spec.placeholder() {
         Some(placeholder) => {
             let arg = arg.value_name(placeholder).action(ArgAction::Set);
-            if spec.id == OptionId::LogFile {
+            if matches!(spec.id, OptionId::LogFile | OptionId::CacheDir) {
                 arg.value_parser(clap::value_parser!(PathBuf))
             } else {
                 // Parsed by `MountConfig::apply_option`, after the `-o` lists.
@@ -152,6 +154,9 @@ impl FromArgMatches for MountArgs {
             foreground: m.get_flag(process_flag(OptionId::Foreground)),
             log_file: m
                 .get_one::<PathBuf>(process_flag(OptionId::LogFile))
+                .cloned(),
+            cache_dir: m
+                .get_one::<PathBuf>(process_flag(OptionId::CacheDir))
                 .cloned(),
             handoff_dir: m.get_one::<PathBuf>(HANDOFF_DIR).cloned(),
             recover: m.get_flag(RECOVER),

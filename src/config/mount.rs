@@ -136,6 +136,8 @@ pub struct MountConfig {
     pub sync_delete: bool,
     /// File data goes through the kernel's page cache (default: direct I/O).
     pub page_cache: bool,
+    /// Local space staged files (edits in place) may take together.
+    pub cache_size: u64,
     pub debug: bool,
 }
 
@@ -164,6 +166,7 @@ impl MountConfig {
             max_concurrency: 0,
             max_prefetch_memory: 0,
             max_upload_memory: 0,
+            cache_size: 0,
         };
         for spec in MOUNT_OPTIONS {
             if let OptionValue::Text {
@@ -319,9 +322,12 @@ impl MountConfig {
             SyncDelete => self.sync_delete = switch()?,
             SyncCreate => self.sync_create = switch()?,
             PageCache => self.page_cache = switch()?,
+            CacheSize => self.cache_size = parse_size(text()?).map_err(|e| invalid(key, e))?,
             Debug => self.debug = switch()?,
             // Settings of the `s3csi mount` process, not of the mount (`MountArgs` has them).
-            Foreground | LogFile => return Err(MountOptionError::Unknown(key.to_string())),
+            Foreground | LogFile | CacheDir => {
+                return Err(MountOptionError::Unknown(key.to_string()))
+            }
         }
         Ok(())
     }
@@ -353,8 +359,9 @@ impl MountConfig {
             SyncDelete => on(self.sync_delete),
             SyncCreate => on(self.sync_create),
             PageCache => on(self.page_cache),
+            CacheSize => Some(format_size(self.cache_size)),
             Debug => on(self.debug),
-            Foreground | LogFile => None,
+            Foreground | LogFile | CacheDir => None,
         }
     }
 }

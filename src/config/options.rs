@@ -26,6 +26,8 @@ pub enum OptionId {
     SyncDelete,
     SyncCreate,
     PageCache,
+    CacheDir,
+    CacheSize,
     Foreground,
     LogFile,
     Debug,
@@ -366,6 +368,21 @@ pub static MOUNT_OPTIONS: &[OptionSpec] = &[
         "page-cache",
         "Let the kernel cache file data while a file is open (default: direct I/O, which \
          copies reads and writes once, on Linux 6.6+; see README \"Semantics\")",
+    ),
+    OptionSpec::text(
+        Id::CacheDir,
+        "cache-dir",
+        "DIR",
+        Described("`/var/tmp/s3csi/<hash of the mountpoint>`; CSI: the volume's state directory on the node"),
+        "Where files edited in place are staged (and `lost+found` keeps edits that could not be committed)",
+    )
+    .process_only(),
+    OptionSpec::text(
+        Id::CacheSize,
+        "cache-size",
+        "SIZE",
+        Value("10GiB"),
+        "Local disk space files edited in place may take together; past it, writes get ENOSPC",
     ),
     OptionSpec::switch(
         Id::Foreground,

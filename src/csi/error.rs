@@ -84,7 +84,9 @@ impl From<S3Error> for CsiError {
             S3Error::AccessDenied(_) => CsiError::PermissionDenied(msg),
             S3Error::Unreachable(_) => CsiError::Unavailable(msg),
             S3Error::Timeout => CsiError::DeadlineExceeded(msg),
-            S3Error::PreconditionFailed | S3Error::Other(_) => CsiError::Internal(msg),
+            S3Error::PreconditionFailed | S3Error::NotImplemented(_) | S3Error::Other(_) => {
+                CsiError::Internal(msg)
+            }
         }
     }
 }

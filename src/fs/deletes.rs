@@ -20,6 +20,7 @@
 use super::lock;
 use crate::s3::{
     CompletedPart, ListPage, ListRequest, ObjectClient, ObjectMeta, S3Error, S3Result,
+    WriteCondition,
 };
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -194,9 +195,14 @@ impl ObjectClient for DeferredDeletes {
         self.inner.get_range_if_match(key, etag, start, end).await
     }
 
-    async fn put_object(&self, key: &str, body: Bytes) -> S3Result<ObjectMeta> {
+    async fn put_object_if(
+        &self,
+        key: &str,
+        body: Bytes,
+        cond: Option<&WriteCondition>,
+    ) -> S3Result<ObjectMeta> {
         self.settle(key).await;
-        self.inner.put_object(key, body).await
+        self.inner.put_object_if(key, body, cond).await
     }
 
     async fn create_multipart(&self, key: &str) -> S3Result<String> {
@@ -215,15 +221,18 @@ impl ObjectClient for DeferredDeletes {
             .await
     }
 
-    async fn complete_multipart(
+    async fn complete_multipart_if(
         &self,
         key: &str,
         upload_id: &str,
         parts: Vec<CompletedPart>,
+        cond: Option<&WriteCondition>,
     ) -> S3Result<ObjectMeta> {
         // The object appears when the completion is done: that must come after the DELETE.
         self.settle(key).await;
-        self.inner.complete_multipart(key, upload_id, parts).await
+        self.inner
+            .complete_multipart_if(key, upload_id, parts, cond)
+            .await
     }
 
     async fn abort_multipart(&self, key: &str, upload_id: &str) -> S3Result<()> {

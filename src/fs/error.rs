@@ -30,6 +30,16 @@ pub enum FsError {
     CrossDevice,
     #[error("invalid argument: {0}")]
     Invalid(&'static str),
+    #[error("no space left for staged data (--cache-size)")]
+    NoSpace,
+    #[error("file too large")]
+    TooBig,
+    #[error("the object changed in S3 since it was opened")]
+    Stale,
+    #[error("another client replaced the object while it was edited here")]
+    Conflict,
+    #[error("local staging I/O: {0}")]
+    Local(String),
     #[error("upload failed earlier: {0}")]
     UploadFailed(S3Error),
     #[error(transparent)]
@@ -52,6 +62,12 @@ impl FsError {
             FsError::Unsupported(_) => libc::EOPNOTSUPP,
             FsError::CrossDevice => libc::EXDEV,
             FsError::Invalid(_) => libc::EINVAL,
+            FsError::NoSpace => libc::ENOSPC,
+            FsError::TooBig => libc::EFBIG,
+            FsError::Stale => libc::ESTALE,
+            // The edit is not in S3 (it is in lost+found): the close must fail.
+            FsError::Conflict => libc::EIO,
+            FsError::Local(_) => libc::EIO,
             // A failed upload is reported as EIO whatever S3 said: the data is not durable.
             FsError::UploadFailed(_) => libc::EIO,
             FsError::S3(e) => e.errno(),

@@ -547,12 +547,18 @@ impl Filesystem for FuseAdapter {
         &self,
         _req: &Request,
         _ino: INodeNo,
-        _fh: FileHandle,
-        _offset: u64,
-        _length: u64,
-        _mode: i32,
+        fh: FileHandle,
+        offset: u64,
+        length: u64,
+        mode: i32,
         reply: ReplyEmpty,
     ) {
-        reply.error(Errno::from_i32(libc::EOPNOTSUPP));
+        let fs = self.fs.clone();
+        self.rt.spawn(async move {
+            match fs.fallocate(fh.0, offset, length, mode).await {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno(&e)),
+            }
+        });
     }
 }

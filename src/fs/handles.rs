@@ -14,6 +14,9 @@ pub(super) enum FileState {
     Failed,
     /// The file was unlinked while open: writes vanish, as they would on a local disk.
     Discarded,
+    /// The file is edited in place: reads and writes go to its staged copy, shared with
+    /// every other handle of the inode (see `edit.rs`).
+    Staged(edit::Staged),
 }
 
 /// Who wrote through a handle since its last commit, as the kernel names them: the lock
@@ -105,26 +108,37 @@ impl S3Fs {
             self.await_pending(ino).await?;
             i = self.inode(ino)?;
         }
-        if i.writer.is_some() {
+        if i.writer.is_some() && !mode.write {
             return Err(FsError::Busy(
                 "the file is being written; open it after close",
             ));
         }
-        let state = if mode.write && mode.truncate {
+        let staged = if mode.write && i.writer.is_some() {
+            // A second writer: both share one staged copy from now on.
+            Some(self.stage_inode(ino, 0).await?)
+        } else {
+            self.staged_of(ino)
+        };
+        let state = if let Some(s) = staged {
+            if mode.write && mode.truncate {
+                s.lock().await.truncate(0)?;
+                if let Some(i) = self.inodes().get_mut(ino) {
+                    i.size = 0;
+                }
+            }
+            FileState::Staged(s)
+        } else if mode.write && mode.truncate {
             FileState::Write(self.new_upload(i.key.clone()))
         } else {
-            let size = if self.fresh(&i) {
+            // Reads name the version they read (If-Match): one the table knows without its
+            // ETag (just renamed: a copy may have a new one) is asked for first.
+            let known = self.fresh(&i) && (i.etag.is_some() || i.being_written() || i.local_only);
+            let size = if known {
                 i.size
             } else {
-                self.getattr(ino).await?.size
+                self.head_attr(ino, &i).await?.size
             };
-            FileState::Read(Prefetcher::new(
-                self.client.clone(),
-                i.key.clone(),
-                size,
-                self.cfg.prefetch,
-                self.prefetch_budget.clone(),
-            ))
+            FileState::Read(self.prefetcher(&self.inode(ino)?, size))
         };
         let writing = matches!(state, FileState::Write(_));
         let fh = self.new_fh(Handle::File(Arc::new(tokio::sync::Mutex::new(OpenFile {
@@ -148,15 +162,55 @@ impl S3Fs {
         Ok(fh)
     }
 
+    /// A reader of the version of `i` this mount knows (key + ETag), `size` bytes long.
+    pub(super) fn prefetcher(&self, i: &Inode, size: u64) -> Prefetcher {
+        Prefetcher::new(
+            self.client.clone(),
+            i.key.clone(),
+            i.etag.clone(),
+            size,
+            self.cfg.prefetch,
+            self.prefetch_budget.clone(),
+        )
+    }
+
+    /// A read through handle `fh`. A file staged by any handle is read from its staged
+    /// copy, so every descriptor sees every write; a handle streaming a new version
+    /// turns it into a staged copy first. A reader whose object was replaced in S3 since
+    /// it was opened gets ESTALE, never bytes of two versions.
     pub async fn read(&self, fh: u64, offset: u64, size: u32) -> FsResult<Bytes> {
         let file = self.file_handle(fh)?;
         let mut f = file.lock().await;
+        let ino = f.ino;
+        let staged = match &f.state {
+            FileState::Staged(s) => Some(s.clone()),
+            FileState::Write(_) => Some(self.stage_handle(&mut f, fh).await?),
+            _ => self.staged_of(ino),
+        };
+        if let Some(s) = staged {
+            f.state = FileState::Staged(s.clone());
+            let mut staged = s.lock().await;
+            return staged.read(&self.client, offset, size as u64).await;
+        }
+        if let FileState::Committed = f.state {
+            let i = self.inode(ino)?;
+            f.state = FileState::Read(self.prefetcher(&i, i.size));
+        }
         match &mut f.state {
-            FileState::Read(p) => p.read(offset, size).await,
-            _ => {
-                tracing::warn!(key = %f.key, "read from a handle that is writing a new object");
-                Err(FsError::Unsupported("reading a file while writing it"))
+            FileState::Read(p) => {
+                let r = p.read(offset, size).await;
+                if let Err(FsError::Stale) = &r {
+                    tracing::warn!(key = %f.key, "the object changed in S3 while open; ESTALE");
+                    if let Some(i) = self.inodes().get_mut(ino) {
+                        i.validated = None;
+                    }
+                }
+                r
             }
+            FileState::Discarded | FileState::Failed => Err(FsError::UploadFailed(S3Error::Other(
+                "this descriptor's file was not uploaded".into(),
+            ))),
+            _ => unreachable!("staged and writing handles were handled above"),
         }
     }
 
@@ -171,13 +225,19 @@ impl S3Fs {
         // Normally flush already committed; this covers handles closed without one (an
         // empty new file, or a descriptor last closed by another process). The handle stays
         // registered until the commit is done, so that `flush_all` on unmount waits for it.
-        let result = self.commit(&mut f, fh, true).await;
+        let mut result = self.commit(&mut f, fh, true).await;
         lock(&self.handles).remove(&fh);
-        let mut t = self.inodes();
-        if let Some(i) = t.get_mut(f.ino) {
-            i.open_handles = i.open_handles.saturating_sub(1);
+        let last = {
+            let mut t = self.inodes();
+            t.get_mut(f.ino).is_none_or(|i| {
+                i.open_handles = i.open_handles.saturating_sub(1);
+                i.open_handles == 0
+            })
+        };
+        if let FileState::Staged(s) = &f.state {
+            result = result.and(self.release_staged(f.ino, s, last).await);
         }
-        t.forget(f.ino, 0);
+        self.inodes().forget(f.ino, 0);
         result
     }
 }

@@ -38,6 +38,8 @@ pub struct Inode {
     pub open_handles: u32,
     /// File handle of the writer streaming a new version of this file, if any.
     pub writer: Option<u64>,
+    /// The file is staged (edited in place, see `staging.rs`): its size is the local one.
+    pub staged: bool,
     /// Created in this mount and not yet uploaded: S3 does not know it yet.
     pub local_only: bool,
     /// For directories: every child was in this table at that instant (a full listing,
@@ -49,6 +51,12 @@ pub struct Inode {
 }
 
 impl Inode {
+    /// This mount is writing the file (streaming or staged): what S3 says of its size and
+    /// version is not the file's any more, and it must not move or be forgotten.
+    pub fn being_written(&self) -> bool {
+        self.writer.is_some() || self.staged
+    }
+
     pub fn child_key(&self, name: &str, kind: Kind) -> String {
         match kind {
             Kind::File => format!("{}{}", self.key, name),
@@ -89,6 +97,7 @@ impl InodeTable {
             lookups: 1,
             open_handles: 0,
             writer: None,
+            staged: false,
             local_only: false,
             complete_as_of: None,
             list_ahead_at: None,
@@ -129,6 +138,7 @@ impl InodeTable {
                     lookups: RESTORED_LOOKUPS,
                     open_handles: 0,
                     writer: None,
+                    staged: false,
                     local_only: false,
                     complete_as_of: None,
                     list_ahead_at: None,
@@ -245,7 +255,7 @@ impl InodeTable {
                 if inode.kind == kind {
                     // A writer's size and a local-only file (an empty new one whose PUT is
                     // under way, see `S3Fs::defer_empty`) are ours to report, not S3's.
-                    if inode.writer.is_none() && !inode.local_only {
+                    if !inode.being_written() && !inode.local_only {
                         inode.size = size;
                         inode.mtime = mtime;
                         inode.etag = etag;
@@ -277,6 +287,7 @@ impl InodeTable {
                 lookups: 0,
                 open_handles: 0,
                 writer: None,
+                staged: false,
                 local_only: false,
                 complete_as_of: None,
                 list_ahead_at: None,
@@ -344,6 +355,9 @@ impl InodeTable {
                 continue;
             };
             i.key = parent.child_key(&i.name, i.kind);
+            // A copy need not keep the ETag (a multipart object's copy has a plain one):
+            // the next open asks S3 for it.
+            i.etag = None;
             if self.logged.remove(&child) {
                 self.log_known(child);
             }
@@ -391,7 +405,7 @@ impl InodeTable {
         let Some(i) = self.by_ino.get(&ino) else {
             return;
         };
-        if ino == ROOT_INO || i.lookups > 0 || i.open_handles > 0 || i.writer.is_some() {
+        if ino == ROOT_INO || i.lookups > 0 || i.open_handles > 0 || i.being_written() {
             return;
         }
         let bound = self.bound(i.parent, &i.name) == Some(ino);
@@ -424,7 +438,7 @@ impl InodeTable {
                 i.ino != ROOT_INO
                     && i.lookups == 0
                     && i.open_handles == 0
-                    && i.writer.is_none()
+                    && !i.being_written()
                     && !i.local_only
             })
             .map(|i| i.ino)

@@ -79,7 +79,7 @@ impl S3Fs {
                 let mut t = self.inodes();
                 // A writer that appeared meanwhile wins over what S3 said.
                 if let Some(child) = t.child(parent, name) {
-                    if child.writer.is_some() || child.local_only {
+                    if child.being_written() || child.local_only {
                         let attr = self.attr_of(child);
                         if kernel_ref {
                             t.add_lookup(attr.ino);
@@ -97,7 +97,7 @@ impl S3Fs {
             None => {
                 let mut t = self.inodes();
                 if let Some(child) = t.child(parent, name) {
-                    if child.writer.is_some() || child.local_only {
+                    if child.being_written() || child.local_only {
                         let attr = self.attr_of(child);
                         if kernel_ref {
                             t.add_lookup(attr.ino);
@@ -174,11 +174,16 @@ impl S3Fs {
         if i.kind == Kind::Dir || self.fresh(&i) {
             return Ok(self.attr_of(&i));
         }
+        self.head_attr(ino, &i).await
+    }
+
+    /// Asks S3 for the object's metadata (HEAD), whatever the table knows.
+    pub(super) async fn head_attr(&self, ino: u64, i: &Inode) -> FsResult<Attr> {
         match self.client.head_object(&i.key).await {
             Ok(meta) => {
                 let mut t = self.inodes();
                 let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
-                if i.writer.is_none() {
+                if !i.being_written() {
                     i.size = meta.size;
                     i.mtime = meta.mtime;
                     i.etag = meta.etag;

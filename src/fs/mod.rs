@@ -11,9 +11,11 @@
 //!   directory wins and the file is hidden.
 //! - Metadata learnt from HEAD or LIST is trusted for `metadata_ttl`; after that the
 //!   next lookup or getattr asks S3 again, which is how changes by others show up.
-//! - Files are written as whole objects: create or O_TRUNC, sequential writes, durable at
-//!   close/fsync (see `upload.rs`); a write at the end of an existing object continues it
-//!   (server-side copy of what is there). Writes elsewhere in an object are refused.
+//! - Files are written as whole objects, durable at close/fsync: create or O_TRUNC and
+//!   sequential writes stream (see `upload.rs`); a write at the end of an existing object
+//!   continues it (server-side copy of what is there); any other write, truncate or second
+//!   writer stages the file on local disk and commits it with server-side copies of what
+//!   nobody touched (`edit.rs`, `staging.rs`).
 //!
 //! Layout: the metadata layer is `inode.rs` (the inode table, persisted for a replacement
 //! mounter by `inode_log.rs`), `lookup.rs` and `namespace.rs`; the data layer is
@@ -22,6 +24,7 @@
 //! shared state ([`S3Fs`]) and the small helpers every part uses.
 
 pub mod deletes;
+mod edit;
 pub mod error;
 pub mod fuse;
 mod handles;
@@ -31,8 +34,10 @@ mod lookup;
 mod namespace;
 mod pending_create;
 pub mod prefetch;
+pub mod ranges;
 mod readdir;
 pub mod session;
+pub mod staging;
 pub mod upload;
 mod writer;
 
@@ -44,6 +49,7 @@ pub use error::{FsError, FsResult};
 use inode::{Inode, InodeTable, Kind};
 use prefetch::{PrefetchConfig, Prefetcher, BUDGET_UNIT};
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
@@ -84,6 +90,10 @@ pub struct FsConfig {
     pub sync_delete: bool,
     /// Reads and writes go through the kernel's page cache instead of direct I/O.
     pub page_cache: bool,
+    /// Where staged files (edits in place) live; `None`: a private temporary directory.
+    pub cache_dir: Option<std::path::PathBuf>,
+    /// Space staged files may take together.
+    pub cache_size: u64,
 }
 
 impl From<&MountConfig> for FsConfig {
@@ -104,6 +114,8 @@ impl From<&MountConfig> for FsConfig {
             sync_create: cfg.sync_create,
             sync_delete: cfg.sync_delete,
             page_cache: cfg.page_cache,
+            cache_dir: None,
+            cache_size: cfg.cache_size,
         }
     }
 }
@@ -165,6 +177,9 @@ pub struct S3Fs {
     create_slots: Arc<Semaphore>,
     /// Set by `flush_all`: from then on every close waits for its upload.
     stopping: AtomicBool,
+    staging: std::sync::OnceLock<Arc<staging::StagingArea>>,
+    /// The staged copy of each file being edited in place, by inode (see `edit.rs`).
+    staged: Mutex<HashMap<u64, edit::Staged>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -235,6 +250,8 @@ impl S3Fs {
             pending: Arc::new(Mutex::new(HashMap::new())),
             create_slots: Arc::new(Semaphore::new(CREATE_PUTS_IN_FLIGHT)),
             stopping: AtomicBool::new(false),
+            staging: std::sync::OnceLock::new(),
+            staged: Mutex::new(HashMap::new()),
         }
     }
 
@@ -281,7 +298,7 @@ impl S3Fs {
     }
 
     fn fresh(&self, i: &Inode) -> bool {
-        i.writer.is_some()
+        i.being_written()
             || i.local_only
             || i.validated
                 .is_some_and(|t| t.elapsed() < self.cfg.metadata_ttl)

@@ -66,7 +66,7 @@ impl S3Fs {
             if let Some(dir) = t.child(parent, name) {
                 let dino = dir.ino;
                 if t.children_of(dino)
-                    .any(|c| c.local_only || c.writer.is_some())
+                    .any(|c| c.local_only || c.being_written())
                 {
                     return Err(FsError::NotEmpty);
                 }
@@ -121,6 +121,11 @@ impl S3Fs {
                 i.local_only = false;
             }
         }
+        if let Some(s) = self.staged_of(child.ino) {
+            // Open descriptors go on reading and writing their copy; nothing is committed.
+            s.lock().await.discard();
+            self.unstage(child.ino, &s);
+        }
         if !child.local_only {
             self.client
                 .delete_object(&format!("{}{}", p.key, name))
@@ -153,7 +158,7 @@ impl S3Fs {
                 .rename_dir(&src, new_parent, &dst_dir, new_name, no_replace)
                 .await;
         }
-        if src.writer.is_some() {
+        if src.being_written() {
             return Err(FsError::Busy(
                 "rename of a file that is still being written",
             ));
@@ -172,7 +177,7 @@ impl S3Fs {
                 if a.kind == Kind::Dir {
                     return Err(FsError::IsDir);
                 }
-                let busy = self.inodes().get(a.ino).is_some_and(|i| i.writer.is_some());
+                let busy = self.inodes().get(a.ino).is_some_and(|i| i.being_written());
                 if busy {
                     return Err(FsError::Busy("rename onto a file that is being written"));
                 }
@@ -190,7 +195,10 @@ impl S3Fs {
         let mut t = self.inodes();
         t.rebind(src.ino, new_parent, new_name);
         if let Some(i) = t.get_mut(src.ino) {
+            // The size is known; the copy's ETag is not (a multipart object's copy has a
+            // plain one): the next open asks S3 (see `open`), so reads name the version.
             i.validated = Some(Instant::now());
+            i.etag = None;
         }
         Ok(())
     }
@@ -238,7 +246,7 @@ impl S3Fs {
             let descendants = t.descendants(src.ino);
             let writing = descendants
                 .iter()
-                .any(|d| t.get(*d).is_some_and(|i| i.writer.is_some()));
+                .any(|d| t.get(*d).is_some_and(|i| i.being_written()));
             (descendants, writing)
         };
         if writing {

@@ -10,7 +10,7 @@
 //! shared by all open files; a chunk the current read needs is fetched even when the
 //! budget is exhausted, so progress never waits on other files.
 
-use super::error::FsResult;
+use super::error::{FsError, FsResult};
 use crate::s3::{ObjectClient, S3Error};
 use bytes::{Bytes, BytesMut};
 use std::collections::VecDeque;
@@ -79,9 +79,44 @@ impl Chunk {
     }
 }
 
+/// Bytes `start..end` of `key`, of the version `etag` when one is known, and exactly
+/// that many: a short body means the object is not the one that was opened.
+async fn get_exact(
+    client: &Arc<dyn ObjectClient>,
+    key: &str,
+    etag: Option<&str>,
+    start: u64,
+    end: u64,
+) -> Result<Bytes, S3Error> {
+    let body = match etag {
+        Some(e) => client.get_range_if_match(key, e, start, end).await?,
+        None => client.get_range(key, start, end).await?,
+    };
+    if body.len() as u64 != end - start {
+        tracing::warn!(
+            key,
+            want = end - start,
+            got = body.len(),
+            "short body from S3"
+        );
+        return Err(S3Error::PreconditionFailed);
+    }
+    Ok(body)
+}
+
+/// A read's failure; `PreconditionFailed` means the object was replaced since it was opened.
+fn read_error(e: S3Error) -> FsError {
+    match e {
+        S3Error::PreconditionFailed => FsError::Stale,
+        e => FsError::S3(e),
+    }
+}
+
 pub struct Prefetcher {
     client: Arc<dyn ObjectClient>,
     key: String,
+    /// The version opened: every GET asks for it.
+    etag: Option<String>,
     size: u64,
     cfg: PrefetchConfig,
     budget: Arc<Semaphore>,
@@ -100,6 +135,7 @@ impl Prefetcher {
     pub fn new(
         client: Arc<dyn ObjectClient>,
         key: String,
+        etag: Option<String>,
         size: u64,
         cfg: PrefetchConfig,
         budget: Arc<Semaphore>,
@@ -107,6 +143,7 @@ impl Prefetcher {
         Self {
             client,
             key,
+            etag,
             size,
             cfg,
             budget,
@@ -157,7 +194,15 @@ impl Prefetcher {
             }
             self.requests += 1;
             let fetch_end = end.max(offset + MIN_RANDOM_GET).min(self.size);
-            let block = self.client.get_range(&self.key, offset, fetch_end).await?;
+            let block = get_exact(
+                &self.client,
+                &self.key,
+                self.etag.as_deref(),
+                offset,
+                fetch_end,
+            )
+            .await
+            .map_err(read_error)?;
             let out = block.slice(0..((end - offset) as usize).min(block.len()));
             self.random_block = Some((offset, block));
             return Ok(out);
@@ -206,8 +251,12 @@ impl Prefetcher {
             let (start, end) = (self.next_fetch, self.next_fetch + chunk_len);
             let client = self.client.clone();
             let key = self.key.clone();
+            let etag = self.etag.clone();
             self.requests += 1;
-            let task = tokio::spawn(async move { client.get_range(&key, start, end).await });
+            let task =
+                tokio::spawn(
+                    async move { get_exact(&client, &key, etag.as_deref(), start, end).await },
+                );
             self.chunks.push_back(Chunk {
                 start,
                 end,
@@ -227,7 +276,7 @@ impl Prefetcher {
             if chunk.start >= end {
                 break;
             }
-            let bytes = chunk.bytes().await?;
+            let bytes = chunk.bytes().await.map_err(read_error)?;
             let from = (offset.max(chunk.start) - chunk.start) as usize;
             let to = ((end.min(chunk.end) - chunk.start) as usize).min(bytes.len());
             parts.push(bytes.slice(from.min(to)..to));
@@ -266,7 +315,7 @@ mod tests {
     #[tokio::test]
     async fn sequential_read_returns_exact_bytes_with_few_requests() {
         let (mem, data, budget) = setup(1_000_000, 1000);
-        let mut p = Prefetcher::new(mem, "obj".into(), data.len() as u64, cfg(), budget);
+        let mut p = Prefetcher::new(mem, "obj".into(), None, data.len() as u64, cfg(), budget);
         let mut got = Vec::new();
         let mut off = 0;
         while off < data.len() as u64 {
@@ -282,7 +331,7 @@ mod tests {
     #[tokio::test]
     async fn random_reads_are_exact() {
         let (mem, data, budget) = setup(100_000, 1000);
-        let mut p = Prefetcher::new(mem, "obj".into(), data.len() as u64, cfg(), budget);
+        let mut p = Prefetcher::new(mem, "obj".into(), None, data.len() as u64, cfg(), budget);
         for off in [90_000u64, 5, 50_000, 99_990, 12_345] {
             let b = p.read(off, 1000).await.unwrap();
             let end = (off as usize + 1000).min(data.len());
@@ -293,7 +342,7 @@ mod tests {
     #[tokio::test]
     async fn small_random_reads_near_each_other_cost_one_get() {
         let (mem, data, budget) = setup(1_000_000, 1000);
-        let mut p = Prefetcher::new(mem, "obj".into(), data.len() as u64, cfg(), budget);
+        let mut p = Prefetcher::new(mem, "obj".into(), None, data.len() as u64, cfg(), budget);
         // a footer read the way a Parquet or zip reader does: the tail, then pieces of it
         let tail = data.len() as u64 - 100_000;
         for (off, len) in [
@@ -316,7 +365,7 @@ mod tests {
     #[tokio::test]
     async fn exhausted_budget_still_makes_progress() {
         let (mem, data, budget) = setup(200_000, 0);
-        let mut p = Prefetcher::new(mem, "obj".into(), data.len() as u64, cfg(), budget);
+        let mut p = Prefetcher::new(mem, "obj".into(), None, data.len() as u64, cfg(), budget);
         let mut off = 0;
         while off < data.len() as u64 {
             let b = p.read(off, 8192).await.unwrap();

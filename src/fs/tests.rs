@@ -156,7 +156,7 @@ on_both_stores!(
     directories_rename_with_everything_under_them,
     implicit_and_marker_directories_are_listed,
     write_read_rename_unlink_round_trip,
-    existing_objects_take_appends_but_refuse_writes_elsewhere,
+    existing_objects_are_edited_in_place,
     closes_commit_what_their_owner_wrote_and_later_writes_continue,
     unlinking_a_file_being_written_discards_it,
 );
@@ -318,17 +318,16 @@ async fn write_read_rename_unlink_round_trip(store: Store) {
     let (attr, fh) = fs.create(ROOT, "f", W).await.unwrap();
     fs.write(fh, 0, b"hello ", Some(1)).await.unwrap();
     fs.write(fh, 6, b"world, multipart", Some(1)).await.unwrap();
-    assert!(matches!(
-        fs.write(fh, 3, b"x", Some(1)).await,
-        Err(FsError::Unsupported(_))
-    ));
+    // A write behind the end stages the file (its buffer moves to local disk).
+    fs.write(fh, 3, b"L", Some(1)).await.unwrap();
+    assert_eq!(fs.read(fh, 0, 5).await.unwrap().as_ref(), b"helLo");
     // Visible in listings before it is uploaded.
     assert!(names(&fs, ROOT).await.contains(&"f".to_string()));
     fs.flush(fh, 1).await.unwrap();
     fs.release(fh).await.unwrap();
     assert_eq!(
         store.get("f").await.unwrap().as_ref(),
-        b"hello world, multipart"
+        b"helLo world, multipart"
     );
     assert_eq!(store.open_uploads().await, 0);
 
@@ -342,14 +341,14 @@ async fn write_read_rename_unlink_round_trip(store: Store) {
     assert!(store.get("f").await.is_none());
     assert_eq!(
         store.get("d/g").await.unwrap().as_ref(),
-        b"hello world, multipart"
+        b"helLo world, multipart"
     );
     assert!(matches!(fs.rmdir(ROOT, "d").await, Err(FsError::NotEmpty)));
     // A directory moves with what is under it, and back.
     fs.rename(ROOT, "d", ROOT, "e", false).await.unwrap();
     assert_eq!(
         store.get("e/g").await.unwrap().as_ref(),
-        b"hello world, multipart"
+        b"helLo world, multipart"
     );
     fs.rename(ROOT, "e", ROOT, "d", false).await.unwrap();
     fs.unlink(d.ino, "g").await.unwrap();
@@ -359,7 +358,7 @@ async fn write_read_rename_unlink_round_trip(store: Store) {
     assert!(store.keys().await.is_empty(), "{:?}", store.keys().await);
 }
 
-async fn existing_objects_take_appends_but_refuse_writes_elsewhere(store: Store) {
+async fn existing_objects_are_edited_in_place(store: Store) {
     store.put("obj", "old contents").await;
     let fs = fs_with_store(&store, "");
     let a = fs.lookup(ROOT, "obj").await.unwrap();
@@ -369,22 +368,23 @@ async fn existing_objects_take_appends_but_refuse_writes_elsewhere(store: Store)
         append: false,
     };
     let fh = fs.open(a.ino, rw).await.unwrap();
-    assert!(matches!(
-        fs.write(fh, 0, b"x", Some(1)).await,
-        Err(FsError::Unsupported(_))
-    ));
-    assert!(matches!(
-        fs.write(fh, 13, b"x", Some(1)).await,
-        Err(FsError::Unsupported(_))
-    ));
-    assert_eq!(store.get("obj").await.unwrap().as_ref(), b"old contents");
+    fs.write(fh, 0, b"O", Some(1)).await.unwrap();
     fs.write(fh, 12, b", appended", Some(1)).await.unwrap();
+    assert_eq!(store.get("obj").await.unwrap().as_ref(), b"old contents");
+    assert_eq!(
+        fs.read(fh, 0, 100).await.unwrap().as_ref(),
+        b"Old contents, appended"
+    );
+    // A second descriptor shares the staged copy and sees the edits.
+    let other = fs.open(a.ino, R).await.unwrap();
+    assert_eq!(fs.read(other, 0, 3).await.unwrap().as_ref(), b"Old");
     fs.flush(fh, 1).await.unwrap();
-    fs.release(fh).await.unwrap();
     assert_eq!(
         store.get("obj").await.unwrap().as_ref(),
-        b"old contents, appended"
+        b"Old contents, appended"
     );
+    fs.release(fh).await.unwrap();
+    fs.release(other).await.unwrap();
 
     // Someone else replaces the object: an append to the version we knew must not mix.
     let fh = fs.open(a.ino, rw).await.unwrap();
@@ -396,16 +396,31 @@ async fn existing_objects_take_appends_but_refuse_writes_elsewhere(store: Store)
         b"theirs, 22 bytes long!"
     );
 
+    // Nor may an edit in the middle overwrite it: the close fails.
+    let _ = fs.getattr(a.ino).await;
+    let fh = fs.open(a.ino, rw).await.unwrap();
+    assert_eq!(fs.read(fh, 0, 6).await.unwrap().as_ref(), b"theirs");
+    fs.write(fh, 1, b"X", Some(1)).await.unwrap();
+    store.put("obj", "theirs again").await;
+    assert!(
+        fs.flush(fh, 1).await.is_err(),
+        "a conflicting commit must fail"
+    );
+    let _ = fs.release(fh).await;
+    assert_eq!(store.get("obj").await.unwrap().as_ref(), b"theirs again");
+
     let fh = fs.open(a.ino, W).await.unwrap();
     fs.write(fh, 0, b"new", Some(1)).await.unwrap();
     fs.flush(fh, 1).await.unwrap();
     fs.release(fh).await.unwrap();
     assert_eq!(store.get("obj").await.unwrap().as_ref(), b"new");
 
-    assert!(matches!(
-        fs.setattr(a.ino, Some(1), None).await,
-        Err(FsError::Unsupported(_))
-    ));
+    // Truncate to any size: shrink, then grow with zeros.
+    fs.setattr(a.ino, Some(1), None).await.unwrap();
+    assert_eq!(store.get("obj").await.unwrap().as_ref(), b"n");
+    fs.setattr(a.ino, Some(4), None).await.unwrap();
+    assert_eq!(store.get("obj").await.unwrap().as_ref(), b"n\0\0\0");
+    assert_eq!(fs.getattr(a.ino).await.unwrap().size, 4);
     fs.setattr(a.ino, Some(0), None).await.unwrap();
     assert_eq!(store.get("obj").await.unwrap().len(), 0);
 }

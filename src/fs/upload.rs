@@ -35,6 +35,11 @@ impl UploadBudget {
         }
     }
 
+    /// Memory for a body of `bytes` bytes, waited for; held until dropped.
+    pub async fn take_for(&self, bytes: usize) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        self.take(bytes).await
+    }
+
     async fn take(&self, bytes: usize) -> Option<tokio::sync::OwnedSemaphorePermit> {
         // A part larger than the whole budget takes all of it, so it can still go.
         let n = (bytes as u64)
@@ -107,6 +112,14 @@ impl Upload {
     /// True while nothing has left the process, so the upload can still start over.
     pub fn can_truncate(&self) -> bool {
         self.upload_id.is_none()
+    }
+
+    /// Everything written so far, taken out of an upload that has sent nothing
+    /// (`can_truncate`); the upload is left empty.
+    pub fn take_buffer(&mut self) -> Bytes {
+        debug_assert!(self.can_truncate());
+        self.written = 0;
+        std::mem::take(&mut self.buf).freeze()
     }
 
     pub fn truncate(&mut self) -> FsResult<()> {

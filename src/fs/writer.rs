@@ -57,7 +57,7 @@ impl S3Fs {
                 if existing.kind == Kind::Dir {
                     return Err(FsError::IsDir);
                 }
-                if existing.writer.is_some() {
+                if existing.being_written() {
                     return Err(FsError::Busy("the file is already open for writing"));
                 }
             }
@@ -103,19 +103,36 @@ impl S3Fs {
             return Err(FsError::BadHandle);
         }
         let ino = f.ino;
-        match &f.state {
+        let stage = match &f.state {
+            FileState::Staged(_) => true,
+            FileState::Write(up) => offset != up.written() || self.staged_of(ino).is_some(),
             FileState::Read(_) | FileState::Committed => {
                 // Whatever this writes must land after the file's empty object, if its PUT
                 // is still under way, and the size below is the one it made.
                 self.await_pending(ino).await?;
                 let base = self.inode(ino)?;
-                if offset != base.size {
-                    tracing::warn!(key = %f.key, offset, size = base.size, append = f.append,
-                        "refusing write into an existing object other than at its end");
-                    return Err(FsError::Unsupported(
-                        "writing into an existing object other than at its end",
-                    ));
-                }
+                offset != base.size || base.being_written() || self.staged_of(ino).is_some()
+            }
+            FileState::Failed | FileState::Discarded => false,
+        };
+        if stage {
+            let s = self.stage_handle(&mut f, fh).await?;
+            let mut staged = s.lock().await;
+            // O_APPEND: at the end of the staged copy, whatever the kernel thought the size was.
+            let at = if f.append { staged.size() } else { offset };
+            let n = staged.write_through(&self.client, at, data).await?;
+            let size = staged.size();
+            drop(staged);
+            if let Some(i) = self.inodes().get_mut(ino) {
+                i.size = size;
+                i.mtime = SystemTime::now();
+            }
+            f.writers.note(owner);
+            return Ok(n);
+        }
+        match &f.state {
+            FileState::Read(_) | FileState::Committed => {
+                let base = self.inode(ino)?;
                 self.start_writing(ino, fh, base.size)?;
                 let mut up = self.new_upload(f.key.clone());
                 if let Err(e) = self.continue_upload(&mut up, &base).await {
@@ -130,7 +147,7 @@ impl S3Fs {
                     "an earlier upload through this descriptor failed".into(),
                 )));
             }
-            FileState::Write(_) | FileState::Discarded => {}
+            FileState::Write(_) | FileState::Discarded | FileState::Staged(_) => {}
         }
         match &mut f.state {
             FileState::Write(up) => {
@@ -187,11 +204,16 @@ impl S3Fs {
     pub async fn flush(&self, fh: u64, owner: u64) -> FsResult<()> {
         let file = self.file_handle(fh)?;
         let mut f = file.lock().await;
-        if let FileState::Write(_) = &f.state {
+        if let FileState::Write(_) | FileState::Staged(_) = &f.state {
             if !f.writers.flush_commits(owner) {
                 tracing::debug!(key = %f.key, owner, "close by an owner that did not write; not committing");
                 return Ok(());
             }
+        }
+        if let FileState::Staged(s) = &f.state {
+            let s = s.clone();
+            f.writers = Writers::default();
+            return self.commit_staged(f.ino, &s).await;
         }
         self.commit(&mut f, fh, true).await?;
         let created_by_this_handle = lock(&self.pending)
@@ -273,6 +295,10 @@ impl S3Fs {
             None => return Err(FsError::BadHandle),
         };
         let mut f = file.lock().await;
+        if let FileState::Staged(s) = &f.state {
+            let s = s.clone();
+            return self.commit_staged(f.ino, &s).await;
+        }
         self.commit(&mut f, fh, false).await?;
         self.await_pending(f.ino).await
     }
@@ -295,6 +321,18 @@ impl S3Fs {
                 failed += 1;
             }
         }
+        let staged: Vec<(u64, edit::Staged)> = lock(&self.staged)
+            .iter()
+            .map(|(ino, s)| (*ino, s.clone()))
+            .collect();
+        for (ino, s) in staged {
+            if self.commit_staged(ino, &s).await.is_err() {
+                s.lock()
+                    .await
+                    .keep_lost("the mount stopped before it could be committed");
+                failed += 1;
+            }
+        }
         loop {
             let waiting: Vec<u64> = lock(&self.pending).keys().copied().collect();
             if waiting.is_empty() {
@@ -309,8 +347,11 @@ impl S3Fs {
         failed + self.deletes.drain().await
     }
 
-    /// chmod/chown/utimes are accepted and ignored (S3 keeps no such metadata here);
-    /// truncation to 0 or to the current size works, other sizes are refused.
+    /// chmod/chown/utimes are accepted and ignored (S3 keeps no such metadata here).
+    /// Truncation to any size works: to 0 of a file nobody writes is one empty PUT, of a
+    /// stream that sent nothing yet a reset; anything else stages the file (see
+    /// `edit.rs`). A truncate by path with no handle (`truncate -s`) commits at once; one
+    /// through a descriptor, at its close.
     pub async fn setattr(&self, ino: u64, size: Option<u64>, fh: Option<u64>) -> FsResult<Attr> {
         let Some(size) = size else {
             return self.getattr(ino).await;
@@ -321,14 +362,14 @@ impl S3Fs {
         if i.kind == Kind::Dir {
             return Err(FsError::IsDir);
         }
-        if let Some(writer_fh) = i.writer {
+        if let Some(writer_fh) = i.writer.filter(|_| self.staged_of(ino).is_none()) {
             let file = self.file_handle(fh.unwrap_or(writer_fh))?;
             let mut f = file.lock().await;
             if let FileState::Write(up) = &mut f.state {
                 if size == up.written() {
                     return Ok(self.attr_of(&self.inode(ino)?));
                 }
-                if size == 0 {
+                if size == 0 && up.can_truncate() {
                     up.truncate()?;
                     let mut t = self.inodes();
                     let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
@@ -336,24 +377,50 @@ impl S3Fs {
                     return Ok(self.attr_of(i));
                 }
             }
-            tracing::warn!(key = %i.key, size, "refusing truncate of a file being written to a non-zero size");
-            return Err(FsError::Unsupported("truncate to a size other than 0"));
         }
-        let current = self.getattr(ino).await?;
-        if current.size == size {
-            return Ok(current);
+        if i.writer.is_none() && self.staged_of(ino).is_none() {
+            let current = self.getattr(ino).await?;
+            if current.size == size {
+                return Ok(current);
+            }
+            if size == 0 {
+                let meta = self.client.put_object(&i.key, Bytes::new()).await?;
+                let mut t = self.inodes();
+                let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
+                i.size = 0;
+                i.mtime = SystemTime::now();
+                i.etag = meta.etag;
+                i.validated = Some(Instant::now());
+                return Ok(self.attr_of(i));
+            }
         }
-        if size != 0 {
-            tracing::warn!(key = %i.key, size, "refusing truncate to a non-zero size");
-            return Err(FsError::Unsupported("truncate to a size other than 0"));
+        let own = match fh.map(|fh| (fh, self.file_handle(fh))) {
+            Some((fh, Ok(file))) => Some((fh, file)),
+            _ => None,
+        };
+        let s = match &own {
+            Some((fh, file)) => {
+                let mut f = file.lock().await;
+                self.stage_handle(&mut f, *fh).await?
+            }
+            None => self.stage_inode(ino, 0).await?,
+        };
+        s.lock().await.truncate(size)?;
+        {
+            let mut t = self.inodes();
+            if let Some(i) = t.get_mut(ino) {
+                i.size = size;
+                i.mtime = SystemTime::now();
+            }
         }
-        let meta = self.client.put_object(&i.key, Bytes::new()).await?;
-        let mut t = self.inodes();
-        let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
-        i.size = 0;
-        i.mtime = SystemTime::now();
-        i.etag = meta.etag;
-        i.validated = Some(Instant::now());
-        Ok(self.attr_of(i))
+        if own.is_none() {
+            // No descriptor will close this: make it durable now.
+            self.commit_staged(ino, &s).await?;
+            let unused = self.inodes().get(ino).is_none_or(|i| i.open_handles == 0);
+            if unused {
+                self.unstage(ino, &s);
+            }
+        }
+        Ok(self.attr_of(&self.inode(ino)?))
     }
 }

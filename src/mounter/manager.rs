@@ -124,6 +124,34 @@ impl MountManager {
         self.state_dir.join("handoff").join(key_for(target))
     }
 
+    /// Removes a mount's handoff directory. Edits its mounters could not commit (their
+    /// `cache/lost+found`, see `fs::staging`) are moved to `STATE_DIR/lost+found/` first:
+    /// they outlive the mount, and the log says where they are.
+    fn remove_handoff_dir(&self, dir: &Path) {
+        let lost = dir.join("cache").join(crate::fs::staging::LOST_FOUND);
+        let has_any = std::fs::read_dir(&lost).is_ok_and(|mut d| d.next().is_some());
+        if has_any {
+            let name = dir
+                .file_name()
+                .map(|n| n.to_os_string())
+                .unwrap_or_default();
+            let keep = self.state_dir.join(crate::fs::staging::LOST_FOUND);
+            let mut to = keep.join(&name);
+            let mut n = 1;
+            while to.exists() {
+                to = keep.join(format!("{}.{n}", name.to_string_lossy()));
+                n += 1;
+            }
+            match std::fs::create_dir_all(&keep).and_then(|_| std::fs::rename(&lost, &to)) {
+                Ok(()) => tracing::warn!(kept = %to.display(),
+                    "edits the mount could not commit to S3 are kept on the node"),
+                Err(e) => tracing::warn!(error = %e, lost = %lost.display(),
+                    "cannot keep the mount's uncommitted edits"),
+            }
+        }
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
     /// How many mounters this node service replaced, all volumes together.
     pub fn replacements_total(&self) -> u64 {
         self.replacements_total.load(Ordering::Relaxed)
@@ -185,7 +213,7 @@ impl MountManager {
 
     fn remove_state(&self, target: &Path) {
         let _ = std::fs::remove_file(self.state_file(target));
-        let _ = std::fs::remove_dir_all(self.handoff_dir(target));
+        self.remove_handoff_dir(&self.handoff_dir(target));
     }
 
     /// Adopts the mounts an earlier node service left running (records whose target is
@@ -218,7 +246,7 @@ impl MountManager {
                 tracing::info!(volume_id = record.volume_id, target = %record.target.display(),
                     "forgetting a mount that is gone");
                 let _ = std::fs::remove_file(&path);
-                let _ = std::fs::remove_dir_all(self.handoff_dir(&record.target));
+                self.remove_handoff_dir(&self.handoff_dir(&record.target));
                 continue;
             }
             adopted.push((record, mounter, alive));
@@ -456,7 +484,7 @@ impl Mounter for MountManager {
         let op = self.op_lock(&req.target);
         let _op = op.lock().await;
         let dir = self.handoff_dir(&req.target);
-        let _ = std::fs::remove_dir_all(&dir);
+        self.remove_handoff_dir(&dir);
         std::fs::create_dir_all(&dir)
             .map_err(|e| MountError::other(format!("cannot create {}: {e}", dir.display())))?;
         handoff::clear_failure(&dir);
@@ -464,7 +492,7 @@ impl Mounter for MountManager {
             Ok(m) => m,
             Err(e) => {
                 self.backend.release(&req.target).await;
-                let _ = std::fs::remove_dir_all(&dir);
+                self.remove_handoff_dir(&dir);
                 return Err(e);
             }
         };
@@ -509,7 +537,7 @@ impl Mounter for MountManager {
                 self.backend.kill(&m).await;
                 self.backend.release(&req.target).await;
                 self.mounts.lock().unwrap().remove(&req.target);
-                let _ = std::fs::remove_dir_all(&dir);
+                self.remove_handoff_dir(&dir);
                 Err(e)
             }
         }

@@ -237,6 +237,9 @@ fn map_err<E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static>(
                     S3Error::AccessDenied(detail)
                 }
                 ("PreconditionFailed", _) | (_, Some(412)) => S3Error::PreconditionFailed,
+                ("NotImplemented", _) | (_, Some(501)) => {
+                    S3Error::NotImplemented(clip(&message, 200))
+                }
                 (_, Some(404)) => S3Error::NotFound,
                 (_, _) if code.is_empty() => {
                     // Only the error chain, never the raw response with its headers.
@@ -369,6 +372,15 @@ fn copy_source(bucket: &str, key: &str) -> String {
     out
 }
 
+/// The If-Match / If-None-Match headers of a conditional write.
+fn condition_headers(cond: Option<&WriteCondition>) -> (Option<String>, Option<String>) {
+    match cond {
+        None => (None, None),
+        Some(WriteCondition::IfMatch(etag)) => (Some(etag.clone()), None),
+        Some(WriteCondition::IfNoneMatch) => (None, Some("*".into())),
+    }
+}
+
 impl AwsClient {
     /// Ranged GET, of one version of the object when `etag` is given.
     async fn get_version_range(
@@ -493,13 +505,21 @@ impl ObjectClient for AwsClient {
         self.get_version_range(key, Some(etag), start, end).await
     }
 
-    async fn put_object(&self, key: &str, body: Bytes) -> S3Result<ObjectMeta> {
+    async fn put_object_if(
+        &self,
+        key: &str,
+        body: Bytes,
+        cond: Option<&WriteCondition>,
+    ) -> S3Result<ObjectMeta> {
         let size = body.len() as u64;
+        let (if_match, if_none_match) = condition_headers(cond);
         let out = self
             .client
             .put_object()
             .bucket(&self.bucket)
             .key(key)
+            .set_if_match(if_match)
+            .set_if_none_match(if_none_match)
             .body(ByteStream::from(body))
             .send()
             .await
@@ -549,12 +569,14 @@ impl ObjectClient for AwsClient {
         })
     }
 
-    async fn complete_multipart(
+    async fn complete_multipart_if(
         &self,
         key: &str,
         upload_id: &str,
         parts: Vec<CompletedPart>,
+        cond: Option<&WriteCondition>,
     ) -> S3Result<ObjectMeta> {
+        let (if_match, if_none_match) = condition_headers(cond);
         let parts: Vec<SdkPart> = parts
             .into_iter()
             .map(|p| {
@@ -571,6 +593,8 @@ impl ObjectClient for AwsClient {
             .bucket(&self.bucket)
             .key(key)
             .upload_id(upload_id)
+            .set_if_match(if_match)
+            .set_if_none_match(if_none_match)
             .multipart_upload(
                 CompletedMultipartUpload::builder()
                     .set_parts(Some(parts))

@@ -4,7 +4,10 @@
 //! here, named after the S3 API call it stands for (a large `CopyObject` is several requests
 //! on the wire, counted as one).
 
-use super::{CompletedPart, ListPage, ListRequest, ObjectClient, ObjectMeta, S3Error, S3Result};
+use super::{
+    CompletedPart, ListPage, ListRequest, ObjectClient, ObjectMeta, S3Error, S3Result,
+    WriteCondition,
+};
 use async_trait::async_trait;
 use bytes::Bytes;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -105,6 +108,7 @@ fn outcome(error: Option<&S3Error>) -> &'static str {
         Some(S3Error::PreconditionFailed) => "precondition_failed",
         Some(S3Error::Unreachable(_)) => "unreachable",
         Some(S3Error::Timeout) => "timeout",
+        Some(S3Error::NotImplemented(_)) => "not_implemented",
         Some(S3Error::Other(_)) => "error",
     }
 }
@@ -187,10 +191,15 @@ impl ObjectClient for MeteredClient {
         self.read(result)
     }
 
-    async fn put_object(&self, key: &str, body: Bytes) -> S3Result<ObjectMeta> {
+    async fn put_object_if(
+        &self,
+        key: &str,
+        body: Bytes,
+        cond: Option<&WriteCondition>,
+    ) -> S3Result<ObjectMeta> {
         let len = body.len();
         let result = self
-            .timed("PutObject", self.inner.put_object(key, body))
+            .timed("PutObject", self.inner.put_object_if(key, body, cond))
             .await;
         self.written(result, len)
     }
@@ -217,15 +226,17 @@ impl ObjectClient for MeteredClient {
         self.written(result, len)
     }
 
-    async fn complete_multipart(
+    async fn complete_multipart_if(
         &self,
         key: &str,
         upload_id: &str,
         parts: Vec<CompletedPart>,
+        cond: Option<&WriteCondition>,
     ) -> S3Result<ObjectMeta> {
         self.timed(
             "CompleteMultipartUpload",
-            self.inner.complete_multipart(key, upload_id, parts),
+            self.inner
+                .complete_multipart_if(key, upload_id, parts, cond),
         )
         .await
     }

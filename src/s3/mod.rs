@@ -26,6 +26,10 @@ pub enum S3Error {
     AccessDenied(String),
     #[error("precondition failed")]
     PreconditionFailed,
+    /// The store does not implement a request or a header of it (HTTP 501), e.g. a
+    /// conditional write.
+    #[error("not implemented by the S3 store: {0}")]
+    NotImplemented(String),
     #[error("cannot reach the S3 endpoint: {0}")]
     Unreachable(String),
     #[error("S3 request timed out")]
@@ -79,6 +83,16 @@ pub struct ListRequest<'a> {
     pub max_keys: i32,
 }
 
+/// A condition on a write (PutObject, CompleteMultipartUpload): S3 refuses the write with
+/// `PreconditionFailed` when it does not hold, so a concurrent writer is never overwritten.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WriteCondition {
+    /// The key still holds the version with this ETag.
+    IfMatch(String),
+    /// The key holds no object.
+    IfNoneMatch,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CompletedPart {
     pub part_number: i32,
@@ -100,7 +114,16 @@ pub trait ObjectClient: Send + Sync + 'static {
         start: u64,
         end: u64,
     ) -> S3Result<Bytes>;
-    async fn put_object(&self, key: &str, body: Bytes) -> S3Result<ObjectMeta>;
+    async fn put_object(&self, key: &str, body: Bytes) -> S3Result<ObjectMeta> {
+        self.put_object_if(key, body, None).await
+    }
+    /// PutObject, refused (`PreconditionFailed`) unless `cond` holds.
+    async fn put_object_if(
+        &self,
+        key: &str,
+        body: Bytes,
+        cond: Option<&WriteCondition>,
+    ) -> S3Result<ObjectMeta>;
     async fn create_multipart(&self, key: &str) -> S3Result<String>;
     async fn upload_part(
         &self,
@@ -114,6 +137,17 @@ pub trait ObjectClient: Send + Sync + 'static {
         key: &str,
         upload_id: &str,
         parts: Vec<CompletedPart>,
+    ) -> S3Result<ObjectMeta> {
+        self.complete_multipart_if(key, upload_id, parts, None)
+            .await
+    }
+    /// CompleteMultipartUpload, refused (`PreconditionFailed`) unless `cond` holds.
+    async fn complete_multipart_if(
+        &self,
+        key: &str,
+        upload_id: &str,
+        parts: Vec<CompletedPart>,
+        cond: Option<&WriteCondition>,
     ) -> S3Result<ObjectMeta>;
     async fn abort_multipart(&self, key: &str, upload_id: &str) -> S3Result<()>;
     /// Part `part_number` of upload `upload_id` of `key`, copied on the server from bytes

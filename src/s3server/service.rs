@@ -2,7 +2,7 @@
 //! fields, call the store, encode its answer; every store error becomes an S3 error
 //! (code, status, message) in one place, [`s3_err`].
 
-use super::store::{ListQuery, ListResult, ObjectInfo, Store, StoreError, MAX_KEYS};
+use super::store::{ListQuery, ListResult, ObjectInfo, Store, StoreError, WriteIf, MAX_KEYS};
 use futures::StreamExt;
 use s3s::dto::*;
 use s3s::{s3_error, S3Error, S3Request, S3Response, S3Result};
@@ -89,6 +89,25 @@ fn check_conditions(
         }
     }
     Ok(())
+}
+
+/// The condition of a conditional write (PutObject, CompleteMultipartUpload): S3 accepts
+/// `If-Match: ETAG` and `If-None-Match: *` there.
+fn write_condition(
+    if_match: &Option<ETagCondition>,
+    if_none_match: &Option<ETagCondition>,
+) -> S3Result<Option<WriteIf>> {
+    match (if_match, if_none_match) {
+        (None, None) => Ok(None),
+        (Some(ETagCondition::ETag(e)), None) => {
+            Ok(Some(WriteIf::Etag(e.value().trim_matches('"').to_string())))
+        }
+        (None, Some(ETagCondition::Any)) => Ok(Some(WriteIf::Absent)),
+        _ => Err(s3_error!(
+            NotImplemented,
+            "only If-Match: ETAG or If-None-Match: * are supported on writes"
+        )),
+    }
 }
 
 fn copy_source(src: &CopySource) -> S3Result<(&str, &str)> {
@@ -348,11 +367,7 @@ impl s3s::S3 for Backend {
         req: S3Request<PutObjectInput>,
     ) -> S3Result<S3Response<PutObjectOutput>> {
         let input = req.input;
-        if let Some(ETagCondition::Any) = input.if_none_match {
-            if self.store.head(&input.bucket, &input.key).is_ok() {
-                return Err(s3_error!(PreconditionFailed));
-            }
-        }
+        let cond = write_condition(&input.if_match, &input.if_none_match)?;
         let info = self
             .store
             .put(
@@ -360,6 +375,7 @@ impl s3s::S3 for Backend {
                 &input.key,
                 body_stream(input.body),
                 input.content_type,
+                cond.as_ref(),
             )
             .await
             .map_err(s3_err)?;
@@ -652,9 +668,16 @@ impl s3s::S3 for Backend {
                 "The XML you provided was not well-formed or did not validate against our published schema"
             ));
         }
+        let cond = write_condition(&input.if_match, &input.if_none_match)?;
         let info = self
             .store
-            .complete_upload(&input.bucket, &input.key, &input.upload_id, &parts)
+            .complete_upload(
+                &input.bucket,
+                &input.key,
+                &input.upload_id,
+                &parts,
+                cond.as_ref(),
+            )
             .await
             .map_err(s3_err)?;
         Ok(S3Response::new(CompleteMultipartUploadOutput {

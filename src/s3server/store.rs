@@ -120,6 +120,15 @@ pub struct ListResult {
     pub last: Option<String>,
 }
 
+/// A condition on a write, checked atomically as the new object replaces the old one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WriteIf {
+    /// The key holds the object with this ETag (without quotes).
+    Etag(String),
+    /// The key holds no object.
+    Absent,
+}
+
 struct Bucket {
     created: SystemTime,
     objects: BTreeMap<String, ObjectInfo>,
@@ -528,8 +537,15 @@ impl Store {
         Ok((size, md5.finalize()))
     }
 
-    /// Records `key` → the already written data file `id`, replacing any older object.
-    async fn commit(&self, bucket: &str, key: &str, info: ObjectInfo) -> Result<ObjectInfo> {
+    /// Records `key` → the already written data file `id`, replacing any older object,
+    /// if `cond` holds for that older object (checked under the lock that replaces it).
+    async fn commit(
+        &self,
+        bucket: &str,
+        key: &str,
+        info: ObjectInfo,
+        cond: Option<&WriteIf>,
+    ) -> Result<ObjectInfo> {
         let dir = self.bucket_dir(bucket);
         let meta = dir.join(format!("{}.meta", id_name(info.id)));
         let tmp = dir.join(format!("{}.meta.tmp", id_name(info.id)));
@@ -545,7 +561,18 @@ impl Store {
         }
         let old = {
             let mut state = self.lock();
+            let holds = |b: &Bucket| match (cond, b.objects.get(key)) {
+                (None, _) | (Some(WriteIf::Absent), None) => true,
+                (Some(WriteIf::Etag(want)), Some(old)) => old.etag == *want,
+                _ => false,
+            };
             match state.buckets.get_mut(bucket) {
+                Some(b) if !holds(b) => {
+                    drop(state);
+                    let _ = std::fs::remove_file(&meta);
+                    let _ = std::fs::remove_file(dir.join(id_name(info.id)));
+                    return Err(StoreError::PreconditionFailed);
+                }
                 Some(b) => b.objects.insert(key.to_string(), info.clone()),
                 None => {
                     drop(state);
@@ -574,6 +601,7 @@ impl Store {
         key: &str,
         body: S,
         content_type: Option<String>,
+        cond: Option<&WriteIf>,
     ) -> Result<ObjectInfo>
     where
         S: Stream<Item = Result<Bytes, BodyError>> + Send,
@@ -598,6 +626,7 @@ impl Store {
                 content_type,
                 id,
             },
+            cond,
         )
         .await
     }
@@ -667,6 +696,7 @@ impl Store {
                 content_type: content_type.unwrap_or(src.content_type),
                 id,
             },
+            None,
         )
         .await
     }
@@ -833,6 +863,7 @@ impl Store {
         key: &str,
         upload_id: &str,
         parts: &[(i32, String)],
+        cond: Option<&WriteIf>,
     ) -> Result<ObjectInfo> {
         if parts.is_empty() {
             return Err(StoreError::InvalidRequest(
@@ -915,6 +946,7 @@ impl Store {
                 content_type: upload.content_type,
                 id,
             },
+            cond,
         )
         .await
     }

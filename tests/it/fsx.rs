@@ -1,9 +1,10 @@
 //! fsx-style data integrity: a seeded random loop over the operations the file system
 //! supports (create + sequential write + close, O_TRUNC overwrite, fsync, random-range
-//! reads, truncate to 0, rename, unlink, mkdir, rmdir, append, writing on after fsync) and
-//! over the ones it refuses (write into the middle, truncate to another size, directory
-//! rename, links, a second writer, reading a writing descriptor), checked against an
-//! in-memory model after every operation through the mount, and against S3 at the end.
+//! reads, truncate to any size, rename, unlink, mkdir, rmdir, append, writing on after
+//! fsync, writes anywhere in an existing file, a second writer, reading a writing
+//! descriptor, edit sessions of many random writes, reads and truncates through one
+//! descriptor) and over the ones it refuses (links), checked against an in-memory model
+//! after every operation through the mount, and against S3 at the end.
 //!
 //! Quick by default (300 steps); `S3CSI_FULL=1` runs 3000. `S3CSI_SEED=N` replays.
 
@@ -293,6 +294,77 @@ impl Fsx<'_> {
         }
     }
 
+    /// Many random writes, reads, appends and truncates through one read-write
+    /// descriptor of a new or existing file, each read checked against the model.
+    fn edit_session(&mut self) {
+        let files = self.files();
+        let rel = if !files.is_empty() && self.rng.chance(0.7) {
+            self.rng.pick(&files).clone()
+        } else {
+            self.random_file_path()
+        };
+        if self.model.get(&rel) == Some(&Node::Dir) {
+            return;
+        }
+        let mut d = match self.model.get(&rel) {
+            Some(Node::File(d)) => d.clone(),
+            _ => Vec::new(),
+        };
+        let ops = self.rng.range(1, 60);
+        self.note(format!("edit session of {ops} operations on {rel}"));
+        let f = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(self.p(&rel))
+            .unwrap_or_else(|e| panic!("open {rel}: {e}"));
+        for _ in 0..ops {
+            match self.rng.below(10) {
+                0..=4 => {
+                    let at = self.rng.below(d.len() as u64 + 70_000) as usize;
+                    let len = self.rng.range(1, 70_000) as usize;
+                    let piece = self.rng.bytes(len);
+                    f.write_all_at(&piece, at as u64).unwrap();
+                    if d.len() < at + len {
+                        d.resize(at + len, 0);
+                    }
+                    d[at..at + len].copy_from_slice(&piece);
+                    self.count("edit: write anywhere");
+                }
+                5..=7 => {
+                    let at = self.rng.below(d.len() as u64 + 10) as usize;
+                    let mut buf = vec![0u8; self.rng.range(1, 150_000) as usize];
+                    let mut got = 0;
+                    while got < buf.len() {
+                        let n = f.read_at(&mut buf[got..], (at + got) as u64).unwrap();
+                        if n == 0 {
+                            break;
+                        }
+                        got += n;
+                    }
+                    let (s, e) = (at.min(d.len()), (at + buf.len()).min(d.len()));
+                    assert!(buf[..got] == d[s..e], "{rel}: edit read at {at}");
+                    self.bytes_checked += got as u64;
+                    self.count("edit: read");
+                }
+                8 => {
+                    let to = self.rng.below(d.len() as u64 * 2 + 1000) as usize;
+                    f.set_len(to as u64).unwrap();
+                    d.resize(to, 0);
+                    self.count("edit: truncate");
+                }
+                _ => {
+                    f.sync_all().unwrap();
+                    self.count("edit: fsync");
+                }
+            }
+        }
+        close_checked(f).unwrap();
+        self.model.insert(rel.clone(), Node::File(d));
+        self.check_file(&rel);
+    }
+
     /// An operation the file system refuses: the documented errno, nothing changed.
     fn refused(&mut self) {
         let files = self.files();
@@ -301,7 +373,7 @@ impl Fsx<'_> {
             .filter(|k| matches!(self.model.get(*k), Some(Node::File(d)) if !d.is_empty()))
             .cloned()
             .collect();
-        let kind = self.rng.below(9);
+        let kind = self.rng.below(10);
         self.note(format!("refused op kind {kind}"));
         let expect = |what: &str, r: std::io::Result<()>, code: i32| {
             let e = r.expect_err(&format!("{what} succeeded"));
@@ -322,20 +394,33 @@ impl Fsx<'_> {
                 self.count("append");
                 self.check_file(&rel);
             }
-            1 if !nonempty.is_empty() => {
+            1 => self.edit_session(),
+            8 if !nonempty.is_empty() => {
+                // O_APPEND from two descriptors, interleaved.
                 let rel = self.rng.pick(&nonempty).clone();
-                let f = fs::OpenOptions::new()
-                    .write(true)
-                    .open(self.p(&rel))
-                    .unwrap();
-                let at = self.rng.range(1, 1000);
-                expect(
-                    "write in the middle",
-                    f.write_at(b"XX", at).map(|_| ()),
-                    libc::EOPNOTSUPP,
-                );
-                close_checked(f).unwrap();
-                self.count("refused: write into middle");
+                self.note(format!("append from two descriptors to {rel}"));
+                let open = || {
+                    fs::OpenOptions::new()
+                        .append(true)
+                        .open(self.p(&rel))
+                        .unwrap()
+                };
+                let (mut a, mut b) = (open(), open());
+                let mut added = Vec::new();
+                for i in 0..self.rng.range(2, 8) {
+                    let n = self.rng.range(1, 5000) as usize;
+                    let piece = self.rng.bytes(n);
+                    if i % 2 == 0 { &mut a } else { &mut b }
+                        .write_all(&piece)
+                        .unwrap();
+                    added.extend_from_slice(&piece);
+                }
+                close_checked(a).unwrap();
+                close_checked(b).unwrap();
+                if let Some(Node::File(d)) = self.model.get_mut(&rel) {
+                    d.extend_from_slice(&added);
+                }
+                self.count("append from two descriptors");
                 self.check_file(&rel);
             }
             2 if !nonempty.is_empty() => {
@@ -352,13 +437,21 @@ impl Fsx<'_> {
                 if to == 0 || to == size {
                     return;
                 }
-                let f = fs::OpenOptions::new()
-                    .write(true)
-                    .open(self.p(&rel))
-                    .unwrap();
-                expect("truncate to another size", f.set_len(to), libc::EOPNOTSUPP);
-                close_checked(f).unwrap();
-                self.count("refused: truncate to non-zero");
+                self.note(format!("truncate {rel} to {to}"));
+                if self.rng.chance(0.5) {
+                    nix::unistd::truncate(&self.p(&rel), to as i64).unwrap();
+                } else {
+                    let f = fs::OpenOptions::new()
+                        .write(true)
+                        .open(self.p(&rel))
+                        .unwrap();
+                    f.set_len(to).unwrap();
+                    close_checked(f).unwrap();
+                }
+                if let Some(Node::File(d)) = self.model.get_mut(&rel) {
+                    d.resize(to as usize, 0);
+                }
+                self.count("truncate to another size");
                 self.check_file(&rel);
             }
             3 => {
@@ -425,8 +518,8 @@ impl Fsx<'_> {
                 self.check_file(&link);
             }
             5..=7 => {
-                // A writer in progress: a second writer gets EBUSY, rename gets EBUSY, a
-                // read through the writing descriptor EOPNOTSUPP; then close commits.
+                // A writer in progress: a second writer shares it, a read through the
+                // writing descriptor sees what was written; then close commits.
                 let rel = self.random_file_path();
                 if self.model.get(&rel) == Some(&Node::Dir) {
                     return;
@@ -446,30 +539,28 @@ impl Fsx<'_> {
                     5 => {
                         let second = fs::OpenOptions::new()
                             .write(true)
-                            .truncate(true)
-                            .open(self.p(&rel));
-                        expect("second writer", second.map(|_| ()), libc::EBUSY);
-                        self.count("refused: second writer");
+                            .open(self.p(&rel))
+                            .unwrap();
+                        second.write_all_at(b"SECOND", 0).unwrap();
+                        f.write_all(b"tail").unwrap();
+                        let orig = data.len();
+                        data.resize(orig.max(6), 0);
+                        data[..6].copy_from_slice(b"SECOND");
+                        data.resize(data.len().max(orig + 4), 0);
+                        data[orig..orig + 4].copy_from_slice(b"tail");
+                        close_checked(second).unwrap();
+                        self.count("second writer");
                     }
                     6 => {
-                        // Either refused (README: EOPNOTSUPP) or, when the kernel still
-                        // holds the written pages, served from its page cache: then it
-                        // must be the bytes just written.
                         let mut buf = vec![0u8; 10];
                         f.seek(SeekFrom::Start(0)).unwrap();
-                        match f.read(&mut buf) {
-                            Ok(n) => {
-                                assert!(
-                                    buf[..n] == data[..n.min(data.len())],
-                                    "read while writing returned other bytes"
-                                );
-                                self.count("read while writing (from page cache)");
-                            }
-                            Err(e) => {
-                                assert_eq!(errno(&e), libc::EOPNOTSUPP, "{e}");
-                                self.count("refused: read while writing");
-                            }
-                        }
+                        let n = f.read(&mut buf).unwrap();
+                        assert!(
+                            buf[..n] == data[..10.min(data.len())],
+                            "read while writing returned other bytes"
+                        );
+                        f.seek(SeekFrom::End(0)).unwrap();
+                        self.count("read while writing");
                     }
                     _ => {
                         f.sync_all().unwrap();

@@ -12,6 +12,7 @@ mod bounded;
 mod credentials;
 mod csi;
 mod deferred_delete;
+mod edit;
 mod empty_create;
 mod faults;
 mod fsx;

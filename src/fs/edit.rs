@@ -1,0 +1,229 @@
+//! Editing in place: when a file becomes staged (see `staging.rs`), how open handles share
+//! its staged copy, and when that copy is committed and dropped.
+//!
+//! One staged copy per inode, shared by every handle of it: writes from several
+//! descriptors land in one place, and reads through any descriptor see them. A handle
+//! streaming a new version (`upload.rs`) that must give way (a write elsewhere than at its
+//! end, a read, a second writer, a truncate) is turned into a staged copy: from its buffer
+//! when nothing was sent yet, else by completing its upload first. A flush by a writer and
+//! fsync commit the copy; it is dropped when the inode's last handle is released.
+
+use super::staging::{CommitConfig, StagedFile, StagingArea};
+use super::*;
+
+pub(super) type Staged = Arc<tokio::sync::Mutex<StagedFile>>;
+
+impl S3Fs {
+    /// The mount's staging area, created at first use (or by `open_staging`).
+    pub(super) fn staging(&self) -> FsResult<&Arc<StagingArea>> {
+        if let Some(a) = self.staging.get() {
+            return Ok(a);
+        }
+        let area = match &self.cfg.cache_dir {
+            Some(dir) => StagingArea::open(dir, self.cfg.cache_size),
+            None => StagingArea::temporary(self.cfg.cache_size),
+        }
+        .map_err(|e| {
+            tracing::error!(error = %e, "cannot open the staging directory (--cache-dir)");
+            FsError::Local(e.to_string())
+        })?;
+        Ok(self.staging.get_or_init(|| area))
+    }
+
+    /// Opens the staging area now, so that edits a dead predecessor left are recovered
+    /// (see `StagingArea::open`) when the mount starts, not at the first edit.
+    pub fn open_staging(&self) -> FsResult<PathBuf> {
+        self.staging().map(|a| a.dir().to_path_buf())
+    }
+
+    fn commit_config(&self) -> CommitConfig {
+        CommitConfig {
+            client: self.client.clone(),
+            part_size: self.cfg.part_size,
+            concurrency: self.cfg.max_concurrency,
+            budget: self.upload_budget.clone(),
+        }
+    }
+
+    pub(super) fn staged_of(&self, ino: u64) -> Option<Staged> {
+        lock(&self.staged).get(&ino).cloned()
+    }
+
+    /// The staged copy of `ino`, made from the object as S3 holds it if there is none.
+    /// A handle other than `me` streaming a new version is completed first (`me`'s own
+    /// stream is the caller's to convert: it holds that handle's lock).
+    pub(super) async fn stage_inode(&self, ino: u64, me: u64) -> FsResult<Staged> {
+        loop {
+            if let Some(s) = self.staged_of(ino) {
+                return Ok(s);
+            }
+            let i = self.inode(ino)?;
+            match i.writer {
+                Some(w) if w != me => {
+                    let file = self.file_handle(w)?;
+                    let mut other = file.lock().await;
+                    Box::pin(self.stage_handle(&mut other, w)).await?;
+                }
+                Some(_) => return Err(FsError::Busy("the handle's own upload is under way")),
+                None => break,
+            }
+        }
+        self.await_pending(ino).await?;
+        let i = self.inode(ino)?;
+        let (size, etag) = if i.local_only {
+            (0, None)
+        } else if self.fresh(&i) && i.etag.is_some() {
+            (i.size, i.etag.clone())
+        } else {
+            match self.client.head_object(&i.key).await {
+                Ok(m) => (m.size, m.etag),
+                Err(S3Error::NotFound) => (0, None),
+                Err(e) => return Err(e.into()),
+            }
+        };
+        let file = StagedFile::of_object(self.staging()?, &i.key, size, etag)?;
+        Ok(self.install_staged(ino, file, size))
+    }
+
+    /// Registers `file` as the staged copy of `ino`, unless another got there first.
+    fn install_staged(&self, ino: u64, file: StagedFile, size: u64) -> Staged {
+        let mut staged = lock(&self.staged);
+        if let Some(s) = staged.get(&ino) {
+            return s.clone();
+        }
+        let s = Arc::new(tokio::sync::Mutex::new(file));
+        staged.insert(ino, s.clone());
+        drop(staged);
+        if let Some(i) = self.inodes().get_mut(ino) {
+            i.staged = true;
+            i.size = size;
+        }
+        s
+    }
+
+    /// Turns handle `f` (number `fh`) into a user of the inode's staged copy. A stream it
+    /// was writing becomes that copy: moved over whole while nothing was sent, else
+    /// completed (made durable) and staged from the result.
+    pub(super) async fn stage_handle(&self, f: &mut OpenFile, fh: u64) -> FsResult<Staged> {
+        if let FileState::Staged(s) = &f.state {
+            return Ok(s.clone());
+        }
+        let ino = f.ino;
+        if let FileState::Write(up) = &mut f.state {
+            if up.can_truncate() {
+                let data = up.take_buffer();
+                let file = StagedFile::of_bytes(self.staging()?, &f.key, &data)?;
+                let size = data.len() as u64;
+                {
+                    let mut t = self.inodes();
+                    if let Some(i) = t.get_mut(ino).filter(|i| i.writer == Some(fh)) {
+                        i.writer = None;
+                    }
+                }
+                let s = self.install_staged(ino, file, size);
+                f.state = FileState::Staged(s.clone());
+                return Ok(s);
+            }
+            self.commit(f, fh, false).await?;
+        }
+        if matches!(f.state, FileState::Failed) {
+            return Err(FsError::UploadFailed(S3Error::Other(
+                "an earlier upload through this descriptor failed".into(),
+            )));
+        }
+        let s = self.stage_inode(ino, fh).await?;
+        f.state = FileState::Staged(s.clone());
+        Ok(s)
+    }
+
+    /// Commits the staged copy `s` of `ino`. A conflict (another client replaced the
+    /// object) keeps the edit in lost+found and drops the copy; any other failure keeps
+    /// it, so that a later fsync or close can try again.
+    pub(super) async fn commit_staged(&self, ino: u64, s: &Staged) -> FsResult<()> {
+        let mut file = s.lock().await;
+        match file.commit(&self.commit_config()).await {
+            Ok(None) => Ok(()),
+            Ok(Some(meta)) => {
+                let mut t = self.inodes();
+                if let Some(i) = t.get_mut(ino) {
+                    i.size = meta.size;
+                    i.etag = meta.etag;
+                    i.mtime = SystemTime::now();
+                    i.validated = Some(Instant::now());
+                    i.local_only = false;
+                }
+                Ok(())
+            }
+            Err(FsError::Conflict) => {
+                tracing::error!(key = %file.key(),
+                    "the object was replaced in S3 by another client while edited here; \
+                     the edit is not committed (EIO)");
+                file.keep_lost("another client replaced the object meanwhile");
+                drop(file);
+                self.unstage(ino, s);
+                if let Some(i) = self.inodes().get_mut(ino) {
+                    i.validated = None;
+                }
+                Err(FsError::Conflict)
+            }
+            Err(e) => {
+                tracing::error!(key = %file.key(), error = %e,
+                    "commit of an edited file failed; the edit stays staged for a retry");
+                Err(e)
+            }
+        }
+    }
+
+    /// Forgets `s` as the staged copy of `ino` (handles holding it keep their reference).
+    pub(super) fn unstage(&self, ino: u64, s: &Staged) {
+        let mut staged = lock(&self.staged);
+        if staged.get(&ino).is_some_and(|cur| Arc::ptr_eq(cur, s)) {
+            staged.remove(&ino);
+            drop(staged);
+            if let Some(i) = self.inodes().get_mut(ino) {
+                i.staged = false;
+            }
+        }
+    }
+
+    /// The last close of a staged file: a final commit, then the copy goes. Data a
+    /// final commit could not write is kept in lost+found.
+    pub(super) async fn release_staged(&self, ino: u64, s: &Staged, last: bool) -> FsResult<()> {
+        if !last {
+            return Ok(());
+        }
+        let result = self.commit_staged(ino, s).await;
+        if let Err(e) = &result {
+            if !matches!(e, FsError::Conflict) {
+                s.lock()
+                    .await
+                    .keep_lost("the last close could not commit it");
+            }
+            if let Some(i) = self.inodes().get_mut(ino) {
+                i.validated = None;
+            }
+        }
+        self.unstage(ino, s);
+        result
+    }
+
+    /// fallocate(2) on an open file (see `StagedFile::fallocate`).
+    pub async fn fallocate(&self, fh: u64, offset: u64, len: u64, mode: i32) -> FsResult<()> {
+        self.writable()?;
+        let file = self.file_handle(fh)?;
+        let mut f = file.lock().await;
+        if !f.writable {
+            return Err(FsError::BadHandle);
+        }
+        let s = self.stage_handle(&mut f, fh).await?;
+        let mut staged = s.lock().await;
+        staged.fallocate(offset, len, mode)?;
+        let size = staged.size();
+        drop(staged);
+        if let Some(i) = self.inodes().get_mut(f.ino) {
+            i.size = size;
+            i.mtime = SystemTime::now();
+        }
+        Ok(())
+    }
+}

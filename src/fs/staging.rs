@@ -1,0 +1,903 @@
+//! Staged files: objects edited in place, kept in a sparse local file until committed.
+//!
+//! A file written anywhere but at the end of a streamed upload (`upload.rs`), truncated to
+//! a size other than 0, or written by two descriptors at once is staged. The local file
+//! holds the bytes written and the bytes read back so far ([`StagedFile::present`]); the
+//! rest is still only in S3, in the version (key + ETag) the edit started from, and is
+//! fetched by ranged GETs that name that ETag when a read or the commit needs it. Nothing
+//! is ever loaded whole into memory.
+//!
+//! A commit (close, fsync) makes one new version of the object: one PUT when it fits in a
+//! part, else a multipart upload whose parts nobody wrote are copied on the server from the
+//! old version (UploadPartCopy) and whose written parts are uploaded from the local file,
+//! so an append or an edit of a few places in a large object sends only those places. The
+//! commit is conditional on the old version's ETag: an object another client replaced in
+//! the meantime is never overwritten; the edit goes to `lost+found` instead.
+//!
+//! Space: every local byte counts against the area's limit (`--cache-size`). A write past
+//! it fails with ENOSPC; bytes read back past it are served without being kept.
+
+use super::error::{FsError, FsResult};
+use super::ranges::RangeSet;
+use super::upload::{UploadBudget, MIN_PART};
+use crate::s3::{CompletedPart, ObjectClient, ObjectMeta, S3Error, WriteCondition};
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// Smallest ranged GET that brings back bytes of the old version: 4 KiB page reads of a
+/// database then cost one GET per MiB, not one per page.
+const FETCH_BLOCK: u64 = 1024 * 1024;
+/// Largest range one UploadPartCopy copies.
+const COPY_PART: u64 = 512 * 1024 * 1024;
+const MAX_PARTS: u64 = 10_000;
+pub const LOST_FOUND: &str = "lost+found";
+
+/// Where staged files live, and how much space they may take together.
+pub struct StagingArea {
+    dir: PathBuf,
+    limit: u64,
+    used: AtomicU64,
+    next_id: AtomicU64,
+    /// Removed with the area: a private directory nobody asked to keep.
+    temporary: bool,
+    /// Cleared at the first conditional write the store refuses as not implemented.
+    conditional_writes: AtomicBool,
+}
+
+/// What a staged file's sidecar records, so that a replacement mounter knows what it finds.
+#[derive(Debug, Serialize, Deserialize)]
+struct Sidecar {
+    key: String,
+    base_etag: Option<String>,
+    /// Everything local was committed: nothing is lost if the file is dropped.
+    clean: bool,
+}
+
+impl StagingArea {
+    /// The area in `dir` (created, mode 0700). Staged files a dead predecessor left there
+    /// are moved to `lost+found` when they held uncommitted data, else removed.
+    pub fn open(dir: &Path, limit: u64) -> std::io::Result<Arc<Self>> {
+        Self::open_as(dir.to_path_buf(), limit, false)
+    }
+
+    /// A private area in the system's temporary directory, removed when dropped.
+    pub fn temporary(limit: u64) -> std::io::Result<Arc<Self>> {
+        static N: AtomicU64 = AtomicU64::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "s3csi-staging-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        Self::open_as(dir, limit, true)
+    }
+
+    fn open_as(dir: PathBuf, limit: u64, temporary: bool) -> std::io::Result<Arc<Self>> {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&dir)?;
+        let area = Self {
+            dir,
+            limit,
+            used: AtomicU64::new(0),
+            next_id: AtomicU64::new(1),
+            temporary,
+            conditional_writes: AtomicBool::new(true),
+        };
+        area.recover();
+        Ok(Arc::new(area))
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    fn reserve(&self, bytes: u64) -> bool {
+        let mut used = self.used.load(Ordering::Relaxed);
+        loop {
+            if used.saturating_add(bytes) > self.limit {
+                return false;
+            }
+            match self.used.compare_exchange_weak(
+                used,
+                used + bytes,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return true,
+                Err(now) => used = now,
+            }
+        }
+    }
+
+    fn release(&self, bytes: u64) {
+        let _ = self
+            .used
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| {
+                Some(u.saturating_sub(bytes))
+            });
+    }
+
+    /// Staged files of a dead predecessor: committed ones are dropped, the others kept in
+    /// `lost+found` (we cannot tell whether their writer still wanted them).
+    fn recover(&self) {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let path = e.path();
+            if path.extension().is_none_or(|x| x != "json") {
+                continue;
+            }
+            let data = path.with_extension("staged");
+            let sidecar: Option<Sidecar> = std::fs::read(&path)
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok());
+            match sidecar {
+                Some(s) if !s.clean && data.exists() => {
+                    match self.keep_lost(&data, &s.key, s.base_etag.as_deref(), "mounter restart") {
+                        Ok(at) => tracing::warn!(key = %s.key, saved = %at.display(),
+                            "an edit a previous mounter never committed is kept in lost+found"),
+                        Err(e) => tracing::warn!(key = %s.key, error = %e,
+                            "cannot keep an uncommitted edit in lost+found"),
+                    }
+                }
+                _ => {}
+            }
+            let _ = std::fs::remove_file(&data);
+            let _ = std::fs::remove_file(&path);
+        }
+    }
+
+    /// Moves `data` to `lost+found` as `<seconds>-<key with / as %2F>`, with a `.json`
+    /// naming the key; returns where it went.
+    fn keep_lost(
+        &self,
+        data: &Path,
+        key: &str,
+        base_etag: Option<&str>,
+        why: &str,
+    ) -> std::io::Result<PathBuf> {
+        let dir = self.dir.join(LOST_FOUND);
+        std::fs::create_dir_all(&dir)?;
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        let mut name: String = format!("{secs}-{}", key.replace('%', "%25").replace('/', "%2F"));
+        name.truncate(200);
+        let mut at = dir.join(&name);
+        let mut n = 1;
+        while at.exists() {
+            at = dir.join(format!("{name}.{n}"));
+            n += 1;
+        }
+        std::fs::rename(data, &at)?;
+        let note = serde_json::json!({
+            "key": key,
+            "edited_version_etag": base_etag,
+            "why": why,
+            "note": "bytes of the edited version that were never read through the mount are zeros here",
+        });
+        std::fs::write(at.with_extension("json"), note.to_string())?;
+        Ok(at)
+    }
+}
+
+impl Drop for StagingArea {
+    fn drop(&mut self) {
+        if self.temporary {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// How commits reach S3.
+#[derive(Clone)]
+pub struct CommitConfig {
+    pub client: Arc<dyn ObjectClient>,
+    pub part_size: u64,
+    pub concurrency: usize,
+    pub budget: UploadBudget,
+}
+
+pub struct StagedFile {
+    area: Arc<StagingArea>,
+    path: PathBuf,
+    file: File,
+    key: String,
+    /// The version this edit builds on, named in every GET and in the commit's condition;
+    /// `None`: no such condition (a new file, or a store that gave no ETag).
+    base_etag: Option<String>,
+    /// Bytes below this offset that are not local are the base version's, fetched on
+    /// demand; unwritten bytes above it are zeros (truncated away, or never existed).
+    fetch_limit: u64,
+    size: u64,
+    /// Bytes held by the local file (written, or read back from S3).
+    present: RangeSet,
+    /// Bytes written since the last commit.
+    dirty: RangeSet,
+    /// The size changed since the last commit.
+    resized: bool,
+    /// The file was unlinked: nothing is committed any more.
+    discarded: bool,
+    /// What the sidecar says now.
+    sidecar_clean: bool,
+}
+
+impl StagedFile {
+    /// Stages the object `key` of `size` bytes in its version `etag` (`None`: a store
+    /// without ETags; the object is then read back without a condition).
+    pub fn of_object(
+        area: &Arc<StagingArea>,
+        key: &str,
+        size: u64,
+        etag: Option<String>,
+    ) -> FsResult<Self> {
+        let mut f = Self::create(area, key, etag)?;
+        f.size = size;
+        f.fetch_limit = size;
+        f.file.set_len(size).map_err(local_io)?;
+        f.write_sidecar()?;
+        Ok(f)
+    }
+
+    /// Stages a file whose whole content is `data` (a new file still in memory): nothing
+    /// needs to be read back, and it is dirty until committed.
+    pub fn of_bytes(area: &Arc<StagingArea>, key: &str, data: &[u8]) -> FsResult<Self> {
+        let mut f = Self::create(area, key, None)?;
+        f.sidecar_clean = true;
+        f.write(0, data)?;
+        f.resized = true;
+        Ok(f)
+    }
+
+    fn create(area: &Arc<StagingArea>, key: &str, etag: Option<String>) -> FsResult<Self> {
+        let id = area.next_id.fetch_add(1, Ordering::Relaxed);
+        let path = area.dir.join(format!("{id}.staged"));
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .map_err(local_io)?;
+        Ok(Self {
+            area: area.clone(),
+            path,
+            file,
+            key: key.to_string(),
+            base_etag: etag,
+            fetch_limit: 0,
+            size: 0,
+            present: RangeSet::default(),
+            dirty: RangeSet::default(),
+            resized: false,
+            discarded: false,
+            sidecar_clean: true,
+        })
+    }
+
+    fn write_sidecar(&mut self) -> FsResult<()> {
+        let clean = !self.is_dirty();
+        let s = Sidecar {
+            key: self.key.clone(),
+            base_etag: self.base_etag.clone(),
+            clean,
+        };
+        let json = serde_json::to_vec(&s).map_err(|e| FsError::Local(e.to_string()))?;
+        let at = self.path.with_extension("json");
+        let tmp = self.path.with_extension("json.tmp");
+        std::fs::write(&tmp, json)
+            .and_then(|_| std::fs::rename(&tmp, &at))
+            .map_err(local_io)?;
+        self.sidecar_clean = clean;
+        Ok(())
+    }
+
+    /// The sidecar says "dirty" before the first uncommitted byte is acknowledged.
+    fn mark_dirty(&mut self) -> FsResult<()> {
+        if self.sidecar_clean {
+            self.sidecar_clean = false;
+            let s = Sidecar {
+                key: self.key.clone(),
+                base_etag: self.base_etag.clone(),
+                clean: false,
+            };
+            let json = serde_json::to_vec(&s).map_err(|e| FsError::Local(e.to_string()))?;
+            std::fs::write(self.path.with_extension("json"), json).map_err(local_io)?;
+        }
+        Ok(())
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    pub fn is_dirty(&self) -> bool {
+        !self.discarded && (self.resized || !self.dirty.is_empty())
+    }
+
+    pub fn discard(&mut self) {
+        self.discarded = true;
+    }
+
+    /// A write from the application: the rest of each `FETCH_BLOCK` it touches is read
+    /// back first (the commit needs those bytes anyway), so the local file never holds a
+    /// written range whose neighbours are unknown — what `lost+found` keeps is then
+    /// whole around every edit.
+    pub async fn write_through(
+        &mut self,
+        client: &Arc<dyn ObjectClient>,
+        offset: u64,
+        data: &[u8],
+    ) -> FsResult<usize> {
+        let end = offset
+            .checked_add(data.len() as u64)
+            .ok_or(FsError::TooBig)?;
+        let block_start = offset - offset % FETCH_BLOCK;
+        let block_end = end.div_ceil(FETCH_BLOCK).saturating_mul(FETCH_BLOCK);
+        for (s, e) in [(block_start, offset), (end, block_end)] {
+            if s < e {
+                // Bytes that do not fit are not kept; the write below then decides ENOSPC.
+                self.fill(client, s, e).await?;
+            }
+        }
+        self.write(offset, data)
+    }
+
+    pub fn write(&mut self, offset: u64, data: &[u8]) -> FsResult<usize> {
+        let end = offset
+            .checked_add(data.len() as u64)
+            .ok_or(FsError::TooBig)?;
+        let new = (data.len() as u64) - self.present.covered(offset, end);
+        if !self.area.reserve(new) {
+            tracing::warn!(key = %self.key, used = self.area.used(), limit = self.area.limit,
+                "staging space exhausted (--cache-size); the write gets ENOSPC");
+            return Err(FsError::NoSpace);
+        }
+        self.mark_dirty()?;
+        if let Err(e) = self.file.write_all_at(data, offset) {
+            self.area.release(new);
+            return Err(local_io(e));
+        }
+        self.present.insert(offset, end);
+        self.dirty.insert(offset, end);
+        if end > self.size {
+            self.size = end;
+        }
+        Ok(data.len())
+    }
+
+    /// truncate(2) to `size`: shrinking drops what lies beyond; growing adds zeros.
+    pub fn truncate(&mut self, size: u64) -> FsResult<()> {
+        if size == self.size {
+            return Ok(());
+        }
+        self.mark_dirty()?;
+        self.file.set_len(size).map_err(local_io)?;
+        if size < self.size {
+            let freed = self.present.truncate(size);
+            self.dirty.truncate(size);
+            self.area.release(freed);
+            self.fetch_limit = self.fetch_limit.min(size);
+        }
+        self.size = size;
+        self.resized = true;
+        Ok(())
+    }
+
+    /// fallocate(2): mode 0 and KEEP_SIZE reserve nothing S3 could honour, so they only
+    /// grow the file (mode 0); PUNCH_HOLE and ZERO_RANGE write zeros.
+    pub fn fallocate(&mut self, offset: u64, len: u64, mode: i32) -> FsResult<()> {
+        let end = offset.checked_add(len).ok_or(FsError::TooBig)?;
+        let keep_size = mode & libc::FALLOC_FL_KEEP_SIZE != 0;
+        match mode & !libc::FALLOC_FL_KEEP_SIZE {
+            0 => {
+                if !keep_size && end > self.size {
+                    self.truncate(end)?;
+                }
+                Ok(())
+            }
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_ZERO_RANGE => {
+                let end = if keep_size { end.min(self.size) } else { end };
+                let zeros = vec![0u8; FETCH_BLOCK as usize];
+                let mut at = offset;
+                while at < end {
+                    let n = (end - at).min(FETCH_BLOCK);
+                    self.write(at, &zeros[..n as usize])?;
+                    at += n;
+                }
+                Ok(())
+            }
+            _ => Err(FsError::Unsupported("this fallocate mode")),
+        }
+    }
+
+    /// Bytes `offset..offset+len` (clipped to the size), fetching from the base version
+    /// what is not local.
+    pub async fn read(
+        &mut self,
+        client: &Arc<dyn ObjectClient>,
+        offset: u64,
+        len: u64,
+    ) -> FsResult<Bytes> {
+        if offset >= self.size || len == 0 {
+            return Ok(Bytes::new());
+        }
+        let end = (offset + len).min(self.size);
+        let unkept = self.fill(client, offset, end).await?;
+        let mut buf = vec![0u8; (end - offset) as usize];
+        self.file
+            .read_exact_at(&mut buf, offset)
+            .map_err(local_io)?;
+        for (at, bytes) in unkept {
+            let from = at.max(offset);
+            let to = (at + bytes.len() as u64).min(end);
+            if from < to {
+                buf[(from - offset) as usize..(to - offset) as usize]
+                    .copy_from_slice(&bytes[(from - at) as usize..(to - at) as usize]);
+            }
+        }
+        Ok(buf.into())
+    }
+
+    /// Makes `start..end` local where it is the base version's, in GETs of at least
+    /// `FETCH_BLOCK`. Bytes that do not fit in the area's space are returned instead.
+    async fn fill(
+        &mut self,
+        client: &Arc<dyn ObjectClient>,
+        start: u64,
+        end: u64,
+    ) -> FsResult<Vec<(u64, Bytes)>> {
+        let mut unkept = Vec::new();
+        let limit = end.min(self.fetch_limit);
+        if start >= limit {
+            return Ok(unkept);
+        }
+        let mut gets: Vec<(u64, u64)> = Vec::new();
+        for (s, e) in self.present.gaps(start, limit) {
+            let s = s - s % FETCH_BLOCK;
+            let e = e
+                .div_ceil(FETCH_BLOCK)
+                .saturating_mul(FETCH_BLOCK)
+                .min(self.fetch_limit);
+            match gets.last_mut() {
+                Some(last) if last.1 >= s => last.1 = last.1.max(e),
+                _ => gets.push((s, e)),
+            }
+        }
+        for (s, e) in gets {
+            let body = match &self.base_etag {
+                Some(etag) => client.get_range_if_match(&self.key, etag, s, e).await,
+                None => client.get_range(&self.key, s, e).await,
+            }
+            .map_err(|err| match err {
+                S3Error::PreconditionFailed | S3Error::NotFound => FsError::Stale,
+                other => FsError::S3(other),
+            })?;
+            if body.len() as u64 != e - s {
+                tracing::warn!(key = %self.key, want = e - s, got = body.len(),
+                    "short body from S3 for an edited object");
+                return Err(FsError::Stale);
+            }
+            // Only the bytes not written meanwhile: a fetch never overwrites an edit.
+            let mut all_kept = true;
+            for (gs, ge) in self.present.gaps(s, e) {
+                let piece = &body[(gs - s) as usize..(ge - s) as usize];
+                if !self.area.reserve(ge - gs) {
+                    all_kept = false;
+                    continue;
+                }
+                if let Err(err) = self.file.write_all_at(piece, gs) {
+                    self.area.release(ge - gs);
+                    return Err(local_io(err));
+                }
+                self.present.insert(gs, ge);
+            }
+            if !all_kept {
+                // What was not kept is still not present: overlay it on the answer only.
+                unkept.push((s, body));
+            }
+        }
+        Ok(unkept)
+    }
+
+    /// Makes the local content the object's new version. `Ok(None)`: nothing to commit.
+    /// A version replaced in S3 by another client is `Conflict`: nothing is overwritten.
+    pub async fn commit(&mut self, cfg: &CommitConfig) -> FsResult<Option<ObjectMeta>> {
+        if !self.is_dirty() {
+            return Ok(None);
+        }
+        let part = segment_size(cfg.part_size, self.size);
+        let meta = if self.size <= part {
+            match self.read(&cfg.client, 0, self.size).await {
+                Ok(body) => {
+                    self.conditional(cfg, |c, cond| {
+                        let body = body.clone();
+                        let key = self.key.clone();
+                        async move { c.put_object_if(&key, body, cond.as_ref()).await }
+                    })
+                    .await
+                }
+                Err(e) => Err(e),
+            }
+        } else {
+            self.commit_multipart(cfg, part).await
+        };
+        let meta = meta.map_err(|e| match e {
+            // The old version is gone: either its copy or reading it back failed.
+            FsError::S3(S3Error::PreconditionFailed) | FsError::Stale => FsError::Conflict,
+            other => other,
+        })?;
+        self.base_etag = meta.etag.clone();
+        self.fetch_limit = self.size;
+        self.dirty.clear();
+        self.resized = false;
+        self.write_sidecar()?;
+        Ok(Some(meta))
+    }
+
+    /// Runs a conditional write, once more without its condition where the store does
+    /// not implement conditional writes (then never again on this mount: one warning).
+    async fn conditional<F, Fut>(&self, cfg: &CommitConfig, send: F) -> FsResult<ObjectMeta>
+    where
+        F: Fn(Arc<dyn ObjectClient>, Option<WriteCondition>) -> Fut,
+        Fut: std::future::Future<Output = Result<ObjectMeta, S3Error>>,
+    {
+        let cond = match (
+            &self.base_etag,
+            self.area.conditional_writes.load(Ordering::Relaxed),
+        ) {
+            (Some(etag), true) => Some(WriteCondition::IfMatch(etag.clone())),
+            _ => None,
+        };
+        match send(cfg.client.clone(), cond.clone()).await {
+            Err(S3Error::NotImplemented(why)) if cond.is_some() => {
+                if self.area.conditional_writes.swap(false, Ordering::Relaxed) {
+                    tracing::warn!(key = %self.key, reason = %why,
+                        "the S3 store does not implement conditional writes: edits in place \
+                         are last-writer-wins on this mount");
+                }
+                send(cfg.client.clone(), None).await.map_err(FsError::S3)
+            }
+            other => other.map_err(FsError::S3),
+        }
+    }
+
+    async fn commit_multipart(&mut self, cfg: &CommitConfig, part: u64) -> FsResult<ObjectMeta> {
+        let plan = self.plan(part);
+        let id = cfg.client.create_multipart(&self.key).await?;
+        let result = self.send_parts(cfg, &id, plan).await;
+        let parts = match result {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = cfg.client.abort_multipart(&self.key, &id).await;
+                return Err(e);
+            }
+        };
+        let key = self.key.clone();
+        let done = self
+            .conditional(cfg, |c, cond| {
+                let (key, id, parts) = (key.clone(), id.clone(), parts.clone());
+                async move {
+                    c.complete_multipart_if(&key, &id, parts, cond.as_ref())
+                        .await
+                }
+            })
+            .await;
+        if done.is_err() {
+            let _ = cfg.client.abort_multipart(&self.key, &id).await;
+        }
+        done
+    }
+
+    /// The parts of the new version: runs of segments nobody wrote, below the fetch
+    /// limit, are copied from the old version; every other segment is uploaded.
+    fn plan(&self, part: u64) -> Vec<Part> {
+        let mut plan: Vec<Part> = Vec::new();
+        let mut at = 0;
+        while at < self.size {
+            let end = (at + part).min(self.size);
+            let copyable = self.base_etag.is_some()
+                && end <= self.fetch_limit
+                && !self.dirty.intersects(at, end);
+            match plan.last_mut() {
+                Some(Part::Copy(_, e)) if copyable && *e == at => *e = end,
+                _ if copyable => plan.push(Part::Copy(at, end)),
+                _ => plan.push(Part::Upload(at, end)),
+            }
+            at = end;
+        }
+        // Copies of at most COPY_PART, split evenly so each stays above S3's part minimum.
+        plan.into_iter()
+            .flat_map(|p| match p {
+                Part::Copy(s, e) if e - s > COPY_PART => {
+                    let n = (e - s).div_ceil(COPY_PART);
+                    let chunk = (e - s).div_ceil(n);
+                    (0..n)
+                        .map(|i| Part::Copy(s + i * chunk, (s + (i + 1) * chunk).min(e)))
+                        .collect::<Vec<_>>()
+                }
+                p => vec![p],
+            })
+            .collect()
+    }
+
+    async fn send_parts(
+        &mut self,
+        cfg: &CommitConfig,
+        id: &str,
+        plan: Vec<Part>,
+    ) -> FsResult<Vec<CompletedPart>> {
+        let slots = Arc::new(tokio::sync::Semaphore::new(cfg.concurrency.max(1)));
+        let mut tasks = tokio::task::JoinSet::new();
+        for (i, p) in plan.into_iter().enumerate() {
+            let n = i as i32 + 1;
+            let (client, key, id) = (cfg.client.clone(), self.key.clone(), id.to_string());
+            let slot = slots.clone().acquire_owned().await.expect("never closed");
+            match p {
+                Part::Copy(s, e) => {
+                    let etag = self.base_etag.clone();
+                    tasks.spawn(async move {
+                        let r = client
+                            .upload_part_copy(&key, &id, n, &key, etag.as_deref(), s, e)
+                            .await;
+                        drop(slot);
+                        r
+                    });
+                }
+                Part::Upload(s, e) => {
+                    let body = self.read(&cfg.client, s, e - s).await;
+                    let body = match body {
+                        Ok(b) => b,
+                        Err(err) => {
+                            tasks.abort_all();
+                            return Err(err);
+                        }
+                    };
+                    let share = cfg.budget.take_for(body.len()).await;
+                    tasks.spawn(async move {
+                        let r = client.upload_part(&key, &id, n, body).await;
+                        drop((share, slot));
+                        r
+                    });
+                }
+            }
+        }
+        let mut parts = Vec::new();
+        while let Some(r) = tasks.join_next().await {
+            let part = r.map_err(|e| FsError::S3(S3Error::Other(format!("part task: {e}"))))??;
+            parts.push(part);
+        }
+        parts.sort_by_key(|p| p.part_number);
+        Ok(parts)
+    }
+
+    /// After a conflict or a final failure: keeps the local data in `lost+found`.
+    pub fn keep_lost(&mut self, why: &str) -> Option<PathBuf> {
+        let at = self
+            .area
+            .keep_lost(&self.path, &self.key, self.base_etag.as_deref(), why);
+        match at {
+            Ok(at) => {
+                tracing::error!(key = %self.key, saved = %at.display(), reason = why,
+                    "the edit was not committed; its data is kept in lost+found");
+                self.discarded = true;
+                Some(at)
+            }
+            Err(e) => {
+                tracing::error!(key = %self.key, error = %e, reason = why,
+                    "the edit was not committed and could not be kept in lost+found");
+                None
+            }
+        }
+    }
+}
+
+impl Drop for StagedFile {
+    fn drop(&mut self) {
+        self.area.release(self.present.total());
+        let _ = std::fs::remove_file(&self.path);
+        let _ = std::fs::remove_file(self.path.with_extension("json"));
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Part {
+    Copy(u64, u64),
+    Upload(u64, u64),
+}
+
+/// The commit's part size: the mount's, or larger where 10 000 parts would not cover
+/// the file, in whole MiB, never below S3's minimum.
+fn segment_size(part_size: u64, size: u64) -> u64 {
+    let need = size.div_ceil(MAX_PARTS).div_ceil(1 << 20) << 20;
+    part_size.max(need).max(MIN_PART)
+}
+
+fn local_io(e: std::io::Error) -> FsError {
+    tracing::warn!(error = %e, "staging file I/O failed");
+    if e.raw_os_error() == Some(libc::ENOSPC) {
+        FsError::NoSpace
+    } else {
+        FsError::Local(e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::s3::mem::MemClient;
+
+    const MIB: u64 = 1024 * 1024;
+
+    fn pattern(n: u64, seed: u8) -> Vec<u8> {
+        (0..n).map(|i| (i % 251) as u8 ^ seed).collect()
+    }
+
+    fn cfg(mem: &Arc<MemClient>) -> CommitConfig {
+        CommitConfig {
+            client: mem.clone(),
+            part_size: 5 * MIB,
+            concurrency: 4,
+            budget: UploadBudget::new(64 * MIB),
+        }
+    }
+
+    async fn staged(mem: &Arc<MemClient>, area: &Arc<StagingArea>, key: &str) -> StagedFile {
+        let m = mem.head_object(key).await.unwrap();
+        StagedFile::of_object(area, key, m.size, m.etag).unwrap()
+    }
+
+    #[tokio::test]
+    async fn edits_in_three_places_copy_the_rest_on_the_server() {
+        let mem = Arc::new(MemClient::new());
+        let old = pattern(40 * MIB, 0);
+        mem.insert("big", old.clone());
+        let area = StagingArea::temporary(u64::MAX).unwrap();
+        let mut f = staged(&mem, &area, "big").await;
+        let mut want = old.clone();
+        for at in [3 * MIB + 7, 20 * MIB, 40 * MIB - 2] {
+            f.write(at, b"EDIT").unwrap();
+            let at = at as usize;
+            want.resize(want.len().max(at + 4), 0);
+            want[at..at + 4].copy_from_slice(b"EDIT");
+        }
+        let before = mem.bytes_received();
+        f.commit(&cfg(&mem)).await.unwrap().unwrap();
+        assert_eq!(mem.get("big").unwrap().as_ref(), &want[..]);
+        let sent = mem.bytes_received() - before;
+        assert!(
+            sent <= 3 * 5 * MIB + 4,
+            "uploaded {sent} bytes for three edits"
+        );
+        assert!(area.used() <= 3 * 5 * MIB + 8, "kept {} bytes", area.used());
+        assert_eq!(mem.open_uploads(), 0);
+    }
+
+    #[tokio::test]
+    async fn truncate_shrink_grow_and_read_back() {
+        let mem = Arc::new(MemClient::new());
+        mem.insert("k", pattern(100, 1));
+        let area = StagingArea::temporary(u64::MAX).unwrap();
+        let mut f = staged(&mem, &area, "k").await;
+        f.truncate(10).unwrap();
+        f.truncate(20).unwrap();
+        let got = f
+            .read(&(mem.clone() as Arc<dyn ObjectClient>), 0, 100)
+            .await
+            .unwrap();
+        let mut want = pattern(10, 1);
+        want.resize(20, 0);
+        assert_eq!(got.as_ref(), &want[..]);
+        f.commit(&cfg(&mem)).await.unwrap();
+        assert_eq!(mem.get("k").unwrap().as_ref(), &want[..]);
+    }
+
+    #[tokio::test]
+    async fn a_version_replaced_meanwhile_is_never_overwritten() {
+        let mem = Arc::new(MemClient::new());
+        for size in [100, 12 * MIB] {
+            mem.insert("k", pattern(size, 1));
+            let area = StagingArea::temporary(u64::MAX).unwrap();
+            let mut f = staged(&mem, &area, "k").await;
+            f.write(5, b"mine").unwrap();
+            let theirs = pattern(size, 9);
+            mem.insert("k", theirs.clone());
+            let r = f.commit(&cfg(&mem)).await;
+            assert!(matches!(r, Err(FsError::Conflict)), "{size}: {r:?}");
+            assert_eq!(mem.get("k").unwrap().as_ref(), &theirs[..]);
+            assert_eq!(mem.open_uploads(), 0);
+            let at = f.keep_lost("test").unwrap();
+            let kept = std::fs::read(&at).unwrap();
+            assert_eq!(&kept[5..9], b"mine");
+            let note = std::fs::read_to_string(at.with_extension("json")).unwrap();
+            assert!(note.contains("\"key\":\"k\""), "{note}");
+        }
+    }
+
+    #[tokio::test]
+    async fn writes_past_the_space_limit_are_enospc_reads_still_work() {
+        let mem = Arc::new(MemClient::new());
+        mem.insert("k", pattern(4 * MIB, 3));
+        let area = StagingArea::temporary(MIB + 10).unwrap();
+        let mut f = staged(&mem, &area, "k").await;
+        f.write(0, &vec![1u8; MIB as usize]).unwrap();
+        assert!(matches!(
+            f.write(2 * MIB, &[0u8; 100]),
+            Err(FsError::NoSpace)
+        ));
+        let client: Arc<dyn ObjectClient> = mem.clone();
+        let got = f.read(&client, 2 * MIB, MIB).await.unwrap();
+        assert_eq!(
+            got.as_ref(),
+            &pattern(4 * MIB, 3)[2 * MIB as usize..3 * MIB as usize]
+        );
+        drop(f);
+        assert_eq!(area.used(), 0, "space returned when the staged file goes");
+    }
+
+    #[tokio::test]
+    async fn reads_of_a_replaced_version_are_stale_not_mixed() {
+        let mem = Arc::new(MemClient::new());
+        mem.insert("k", pattern(3 * MIB, 1));
+        let area = StagingArea::temporary(u64::MAX).unwrap();
+        let mut f = staged(&mem, &area, "k").await;
+        let client: Arc<dyn ObjectClient> = mem.clone();
+        f.read(&client, 0, 10).await.unwrap();
+        mem.insert("k", pattern(3 * MIB, 2));
+        assert!(matches!(
+            f.read(&client, 2 * MIB, 10).await,
+            Err(FsError::Stale)
+        ));
+        assert_eq!(
+            f.read(&client, 0, 10).await.unwrap().as_ref(),
+            &pattern(10, 1)[..]
+        );
+    }
+
+    #[test]
+    fn leftovers_of_a_dead_mounter_go_to_lost_found_when_dirty() {
+        let dir =
+            std::env::temp_dir().join(format!("s3csi-staging-recover-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        {
+            let area = StagingArea::open(&dir, u64::MAX).unwrap();
+            let mut dirty = StagedFile::of_object(&area, "a/dirty", 0, None).unwrap();
+            dirty.write(0, b"unsaved").unwrap();
+            let clean = StagedFile::of_object(&area, "a/clean", 0, None).unwrap();
+            // A crash: neither is dropped.
+            std::mem::forget(dirty);
+            std::mem::forget(clean);
+        }
+        let area = StagingArea::open(&dir, u64::MAX).unwrap();
+        let lost: Vec<String> = std::fs::read_dir(area.dir().join(LOST_FOUND))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(lost.len(), 2, "{lost:?}");
+        assert!(lost.iter().any(|n| n.ends_with("a%2Fdirty")), "{lost:?}");
+        let left: Vec<_> = std::fs::read_dir(area.dir())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .filter(|n| n != LOST_FOUND)
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
