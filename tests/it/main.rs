@@ -20,4 +20,5 @@ mod metrics;
 mod mount;
 mod parse_props;
 mod pod_mode;
+mod registration;
 mod s3_server;
