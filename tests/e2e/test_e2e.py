@@ -184,6 +184,41 @@ def test_2b_no_secret_in_argv_logs_or_pod_objects(release: Release) -> None:
     assert mounter_pods(), "the static volume has a mounter pod"
 
 
+def test_2c_failed_publish_reaches_the_pod_events(release: Release) -> None:
+    """A volume whose bucket does not exist: NodePublishVolume fails with the mounter's own
+    reason, the kubelet shows it in a FailedMount event of the pod, retries, and the pod can
+    still be deleted at once; no mounter Pod is left for it."""
+    before = sorted(any_mounter_pods())
+    kube.apply([
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "e2e-missing"},
+         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
+                  "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
+                  "claimRef": {"namespace": "default", "name": "missing"},
+                  "csi": {"driver": DRIVER, "volumeHandle": "no-such-bucket/x",
+                          "volumeAttributes": {"forcePathStyle": "true"}}}}])
+    wait_for(lambda: get("pv", "e2e-missing")["status"].get("phase") == "Available", 30,
+             "the PV Available")
+    kube.apply([claim("missing", "", "e2e-missing")])
+    wait_for(lambda: get("pvc", "missing", "default")["status"].get("phase") == "Bound", 30,
+             "the claim Bound")
+    kube.apply([workload("missing", "missing", IDLE)])
+    t0 = time.monotonic()
+
+    def failed_mount() -> str:
+        events = get("events", ns="default") or []
+        return next((e["message"] for e in events
+                     if e["involvedObject"].get("name") == "missing"
+                     and e.get("reason") == "FailedMount" and "no-such-bucket" in e["message"]), "")
+    wait_for(failed_mount, 90, "a FailedMount event naming the bucket")
+    timing("2c. missing bucket: FailedMount event on the pod", time.monotonic() - t0)
+    print(f"[e2e] 2c. {failed_mount()[:300]}")
+    assert get("pod", "missing", "default")["status"]["phase"] == "Pending"
+    timing("2c. the pod that never mounted deleted", gone_after_delete("missing", 10))
+    kube.delete("pvc", "missing", "default", wait=True)
+    kube.delete("pv", "e2e-missing", wait=True)
+    wait_for(lambda: sorted(any_mounter_pods()) == before, 60, "no mounter pod left for it")
+
+
 # --- 3 ---------------------------------------------------------------------------------------
 def test_3_dynamic_volumes_delete_and_retain(release: Release, s3: S3, provisioner: Any) -> None:
     kube.apply([claim("dyn-delete", "e2e-delete"), claim("dyn-retain", "e2e-retain")])
