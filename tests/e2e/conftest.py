@@ -88,6 +88,13 @@ def e2e_values(s3: S3, **override: Any) -> dict[str, Any]:
     values["s3"]["endpointUrl"] = s3.endpoint
     for sc in values["storageClasses"]:
         sc["endpointUrl"] = s3.endpoint
+    if os.environ.get("S3CSI_E2E_PROVISIONER") == "sidecar":
+        # The real csi-provisioner instead of provisioner.py, from an image at hand
+        # (S3CSI_E2E_PROVISIONER_IMAGE=repository:tag, imported into containerd).
+        repository, tag = os.environ["S3CSI_E2E_PROVISIONER_IMAGE"].rsplit(":", 1)
+        values["sidecars"]["provisioner"] = {
+            "enabled": True, "image": {"repository": repository, "tag": tag,
+                                       "pullPolicy": "Never"}}
     for key, value in override.items():
         node = values
         *path, last = key.split(".")

@@ -371,11 +371,25 @@ def test_6b_busy_file_at_deletion_does_not_hang(release: Release) -> None:
     pod = get("pod", "busy", "default")
     # A process on the node holds a file open on the volume too, so the unmount is busy.
     held = open(kube.csi_target(pod, STATIC_PV) / "hello.txt", "rb")
+    (mounter,) = mounter_pods()
+    ended: dict[str, Any] = {}
+
+    def mounter_gone() -> bool:
+        m = get("pod", mounter["metadata"]["name"], NS)
+        if m is None:
+            return True
+        for c in m["status"].get("containerStatuses", []):
+            if "terminated" in c.get("state", {}):
+                ended.update(c["state"]["terminated"], deletion=m["metadata"].get("deletionTimestamp"))
+        return False
     try:
         timing("6. pod with busy open files deleted (grace 10 s)", gone_after_delete("busy", 10))
         t0 = time.monotonic()
-        wait_for(lambda: not any_mounter_pods(), 60, "its mounter pod deleted")
+        wait_for(mounter_gone, 60, "its mounter pod deleted")
         timing("6. its mounter pod gone after the pod", time.monotonic() - t0)
+        if ended:  # how the mounter ended, when its Pod was seen terminating
+            print(f"[e2e] 6. its mounter: deleted {ended.get('deletion')}, exit code "
+                  f"{ended.get('exitCode')} ({ended.get('reason')}) at {ended.get('finishedAt')}")
     finally:
         try:
             held.read()
