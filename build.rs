@@ -1,6 +1,7 @@
-//! Compiles proto/csi.proto (the CSI spec) with protox, a pure-Rust protobuf compiler, so
-//! building needs no system `protoc`. Generates both the servers (ours) and the clients
-//! (used by the integration tests and `s3csi demo`).
+//! Compiles proto/csi.proto (the CSI spec) and proto/pluginregistration.proto (the kubelet's
+//! plugin-registration API) with protox, a pure-Rust protobuf compiler, so building needs no
+//! system `protoc`. Generates both the servers (ours) and the clients (used by the
+//! integration tests and `s3csi demo`; for registration, the tests play the kubelet).
 
 /// Request messages carrying a `secrets` map (`[(csi_secret) = true]` in the spec). Their
 /// `Debug` is not derived; src/csi/pb.rs implements one that prints secret keys only.
@@ -25,7 +26,8 @@ const SECRET_BEARING: &[&str] = &[
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=proto/csi.proto");
-    let fds = protox::compile(["csi.proto"], ["proto"])?;
+    println!("cargo:rerun-if-changed=proto/pluginregistration.proto");
+    let fds = protox::compile(["csi.proto", "pluginregistration.proto"], ["proto"])?;
     tonic_prost_build::configure()
         .build_server(true)
         .build_client(true)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs and is missing, on Debian 12 (root): fuse3, curl,
-# python3 + pip, git, the moto S3 server and the chart test tools. Quick when all is there
+# python3 + pip, git, the moto S3 server, the chart test tools and the e2e harness's. Quick
+# when all is there
 # (one `pip install` that finds everything satisfied). Called by test.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +22,7 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get install -y -qq "${need_apt[@]}"
 fi
 
-# The local S3 server the integration tests start (moto), and the chart test tools.
+# The local S3 server the integration tests start (moto), the chart test tools and the e2e
+# harness's (grpcio-tools, boto3; the cluster's own packages come from tests/e2e/k8s.sh deps).
 python3 -m pip install -q --disable-pip-version-check 'moto[server]==5.2.1' \
-  -r tests/chart/requirements.txt
+  -r tests/chart/requirements.txt -r tests/e2e/requirements.txt

@@ -9,12 +9,16 @@
 //! Advertised capabilities: plugin CONTROLLER_SERVICE (when the controller runs);
 //! controller CREATE_DELETE_VOLUME; node GET_VOLUME_STATS, VOLUME_CONDITION,
 //! VOLUME_MOUNT_GROUP.
+//!
+//! With `--register-with-kubelet DIR` the node service also registers itself with the
+//! kubelet ([`registration`]), in place of the node-driver-registrar sidecar.
 
 pub mod controller;
 pub mod error;
 pub mod identity;
 pub mod node;
 pub mod pb;
+pub mod registration;
 pub mod volume_record;
 
 use crate::config::Endpoint;
@@ -84,6 +88,16 @@ pub struct CsiArgs {
     /// for every interface (e.g. 0.0.0.0:9809 or :9809). Off when not given
     #[arg(long, value_name = "HOST:PORT")]
     pub metrics_address: Option<crate::metrics::MetricsAddress>,
+    /// Register with the kubelet ourselves, without the node-driver-registrar sidecar: serve
+    /// the kubelet's plugin-registration API on DIR/<driver-name>-reg.sock, DIR being the
+    /// kubelet's plugins_registry directory (/var/lib/kubelet/plugins_registry) as seen here.
+    /// Node service only
+    #[arg(long, value_name = "DIR")]
+    pub register_with_kubelet: Option<PathBuf>,
+    /// (--register-with-kubelet) The CSI socket's path on the node, where the kubelet calls
+    /// it, e.g. /var/lib/kubelet/plugins/s3csi.dev/csi.sock. Default: the --endpoint path
+    #[arg(long, value_name = "PATH", requires = "register_with_kubelet")]
+    pub kubelet_registration_path: Option<PathBuf>,
 }
 
 /// One operation at a time per key (a target path, or `volume:<id>`); a second concurrent
@@ -201,6 +215,10 @@ pub enum StartError {
     SocketInUse(PathBuf),
     #[error("--node-id is required for the node service")]
     NodeIdMissing,
+    #[error("--register-with-kubelet needs the node service (--mode node or all)")]
+    RegistrationWithoutNode,
+    #[error("--kubelet-registration-path {}: must be an absolute path", .0.display())]
+    RegistrationPath(PathBuf),
     #[error("cannot find our own binary: {0}")]
     OwnBinary(std::io::Error),
     #[error("cannot use state directory {}: {source}", .dir.display())]
@@ -263,6 +281,23 @@ pub async fn serve(
         force_path_style: args.s3_force_path_style,
     };
     let path = socket_path(&args.endpoint)?;
+    let registration = match &args.register_with_kubelet {
+        Some(_) if !node => return Err(StartError::RegistrationWithoutNode),
+        Some(dir) => {
+            let endpoint = args
+                .kubelet_registration_path
+                .clone()
+                .unwrap_or(path.clone());
+            if !endpoint.is_absolute() {
+                return Err(StartError::RegistrationPath(endpoint));
+            }
+            Some((
+                registration::socket_in(dir, &args.driver_name),
+                registration::RegistrationService::new(&args.driver_name, &endpoint),
+            ))
+        }
+        None => None,
+    };
     let in_flight = InFlight::default();
     let registry = crate::metrics::Registry::new();
     // Bound first, so that a port in use fails the start before anything else happens.
@@ -383,12 +418,58 @@ pub async fn serve(
         .add_optional_service(node_service.map(|s| Metered::new(s, registry.clone())))
         .add_optional_service(controller_service.map(|s| Metered::new(s, registry.clone())));
     let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+    // One shutdown for both servers: the CSI one and, when asked for, the registration one.
+    // A registration server that fails stops the CSI one too (the process exits with the
+    // error), since the kubelet could no longer register the driver.
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let stop = Arc::new(stop);
+    let until_stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    // Bound after the CSI socket: the kubelet calls NodeGetInfo there as soon as it finds
+    // the registration socket.
+    let registration_task = match registration {
+        Some((reg_path, service)) => {
+            let listener = bind_socket(&reg_path)?;
+            tracing::info!(socket = %reg_path.display(), "serving kubelet plugin registration");
+            let server = tonic::transport::Server::builder().add_service(service.into_server());
+            let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+            let until = until_stopped(stopped.clone());
+            let stop = stop.clone();
+            Some((
+                reg_path,
+                tokio::spawn(async move {
+                    let served = server.serve_with_incoming_shutdown(incoming, until).await;
+                    let _ = stop.send(true);
+                    served
+                }),
+            ))
+        }
+        None => None,
+    };
+    let until = until_stopped(stopped);
     let result = router
-        .serve_with_incoming_shutdown(incoming, shutdown)
+        .serve_with_incoming_shutdown(incoming, async {
+            tokio::select! {
+                _ = shutdown => {}
+                _ = until => {}
+            }
+        })
         .await
         .map_err(StartError::Serve);
+    let _ = stop.send(true);
     if let Some(task) = metrics_task {
         task.abort();
+    }
+    let mut result = result;
+    if let Some((reg_path, task)) = registration_task {
+        // Removing the registration socket unregisters the driver from the kubelet.
+        let _ = std::fs::remove_file(&reg_path);
+        if let Ok(Err(e)) = task.await {
+            if result.is_ok() {
+                result = Err(StartError::Serve(e));
+            }
+        }
     }
     let _ = std::fs::remove_file(&path);
     result

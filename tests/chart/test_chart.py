@@ -1387,12 +1387,94 @@ def test_chart_storage_class_matches_the_example_shape() -> None:
 
 
 def test_containerfile() -> None:
+    """The Containerfile and tests/e2e (which has no container engine) build the same image:
+    image/rootfs.sh lays out its file system in both."""
     text = (REPO / "Containerfile").read_text()
     stages = re.findall(r"^FROM\s+(\S+)(?:\s+AS\s+(\S+))?", text, re.MULTILINE | re.IGNORECASE)
     assert len(stages) >= 2, "multi-stage build expected"
     assert stages[0][0].endswith("rust:1-bookworm")
-    assert stages[-1][0].endswith("debian:bookworm-slim")
+    assert stages[-1][0] == "scratch"
     assert "cargo build --release --locked" in text
     assert re.search(r"apt-get install[^\n]*fuse3", text)
     assert re.search(r"apt-get install[^\n]*ca-certificates", text)
+    assert "sh image/rootfs.sh /rootfs target/release/s3csi" in text
+    assert "COPY --from=builder /rootfs/ /" in text
     assert 'ENTRYPOINT ["/usr/local/bin/s3csi"]' in text
+    assert "image/rootfs.sh" in (REPO / "tests" / "e2e" / "run.sh").read_text()
+
+
+# --- switches for clusters without sidecar images (tests/e2e uses them) ----------------------
+
+E2E_VALUES = REPO / "tests" / "e2e" / "values.yaml"
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+def test_e2e_values_render_valid_kubernetes(kube_version: str) -> None:
+    values = yaml.safe_load(E2E_VALUES.read_text())
+    with helm.Chart.load(CHART_DIR) as chart:
+        chart.validate_schema(values)
+    for obj in render_objects(values, kube_version=f"v{kube_version}.0"):
+        validate_object(obj, kube_version)
+
+
+def test_builtin_kubelet_registration() -> None:
+    values = {"node": {"kubeletRegistration": "builtin", "kubeletPath": "/var/lib/k0s/kubelet"}}
+    pod = node_pod(render_objects(values))
+    assert [c["name"] for c in pod["containers"]] == ["s3csi", "liveness-probe"]
+    s3csi = container(pod, "s3csi")
+    assert flag(s3csi["args"], "register-with-kubelet") == "/registration"
+    assert mount_of(s3csi, "registration-dir")["mountPath"] == "/registration"
+    assert host_path(pod, "registration-dir").rstrip("/") == "/var/lib/k0s/kubelet/plugins_registry"
+    # The kubelet calls the CSI socket by its host path: the plugin dir's socket.
+    assert flag(s3csi["args"], "kubelet-registration-path") == (
+        host_path(pod, "plugin-dir").rstrip("/") + "/csi.sock")
+    assert socket_path(flag(s3csi["args"], "endpoint")) == (
+        mount_of(s3csi, "plugin-dir")["mountPath"] + "/csi.sock")
+    src = _rust_sources()
+    for name in ("register_with_kubelet", "kubelet_registration_path"):
+        assert re.search(rf"\bpub {name}:", src), name
+    # The sidecar stays the default.
+    default = node_pod(render_objects({}))
+    assert "node-driver-registrar" in [c["name"] for c in default["containers"]]
+    assert not flag_present(container(default, "s3csi")["args"], "register-with-kubelet")
+
+
+def test_sidecars_can_be_switched_off() -> None:
+    values = {"sidecars": {"livenessProbe": {"enabled": False}, "provisioner": {"enabled": False}}}
+    objects = render_objects(values)
+    for pod in (node_pod(objects), controller_pod(objects)):
+        names = [c["name"] for c in pod["containers"]]
+        assert "liveness-probe" not in names and "csi-provisioner" not in names, names
+        s3csi = container(pod, "s3csi")
+        assert "livenessProbe" not in s3csi and "ports" not in s3csi
+    assert [c["name"] for c in controller_pod(objects)["containers"]] == ["s3csi"]
+    # No provisioner, no provisioner RBAC; the controller and its ServiceAccount stay.
+    assert not [o for o in objects if o["metadata"]["name"].endswith("-provisioner")]
+    assert named(objects, "ServiceAccount", "controller")
+    # With metrics on, the metrics port is still declared.
+    metrics = render_objects({**values, "metrics": {"enabled": True}})
+    ports = container(node_pod(metrics), "s3csi")["ports"]
+    assert [p["name"] for p in ports] == ["metrics"]
+
+
+@pytest.mark.parametrize("liveness", [True, False])
+def test_controller_host_network(liveness: bool) -> None:
+    values = {"controller": {"hostNetwork": True, "healthPort": 9810},
+              "sidecars": {"livenessProbe": {"enabled": liveness}}}
+    pod = controller_pod(render_objects(values))
+    assert pod["hostNetwork"] is True
+    assert pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    if liveness:
+        assert "--http-endpoint=127.0.0.1:9810" in container(pod, "liveness-probe")["args"]
+        assert container(pod, "s3csi")["livenessProbe"]["httpGet"]["host"] == "127.0.0.1"
+
+
+def test_node_state_dir_and_extra_env() -> None:
+    env = [{"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
+           {"name": "KUBERNETES_SERVICE_PORT", "value": "6443"}]
+    pod = node_pod(render_objects({"node": {"stateDir": "/srv/s3csi", "extraEnv": env}}))
+    s3csi = container(pod, "s3csi")
+    assert flag(s3csi["args"], "state-dir") == "/srv/s3csi"
+    assert host_path(pod, "state-dir") == "/srv/s3csi"
+    assert mount_of(s3csi, "state-dir")["mountPath"] == "/srv/s3csi"
+    assert s3csi["env"][-2:] == env

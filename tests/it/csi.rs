@@ -159,7 +159,7 @@ async fn identity_and_node_info() {
 /// One gRPC call as the kubelet of Kubernetes 1.20 (grpc-go 1.27) and grpc-python make it
 /// over a unix socket: HTTP/2 by hand, with the socket path as `:authority`. Returns the
 /// response's DATA payload, or panics with what the server did instead.
-fn raw_grpc_call(socket: &Path, path: &str, authority: &str, message: &[u8]) -> Vec<u8> {
+pub(crate) fn raw_grpc_call(socket: &Path, path: &str, authority: &str, message: &[u8]) -> Vec<u8> {
     use std::io::{Read, Write};
     fn int(out: &mut Vec<u8>, prefix_bits: u8, mut n: usize) {
         let max = (1usize << prefix_bits) - 1;

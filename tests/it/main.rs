@@ -21,4 +21,5 @@ mod metrics;
 mod mount;
 mod parse_props;
 mod pod_mode;
+mod registration;
 mod s3_server;
