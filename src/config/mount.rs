@@ -136,6 +136,8 @@ pub struct MountConfig {
     pub sync_delete: bool,
     /// File data goes through the kernel's page cache (default: direct I/O).
     pub page_cache: bool,
+    /// Stored POSIX metadata is neither shown nor written (default: it is, as s3fs does).
+    pub ignore_metadata: bool,
     pub debug: bool,
 }
 
@@ -155,6 +157,7 @@ impl MountConfig {
             sync_create: false,
             sync_delete: false,
             page_cache: false,
+            ignore_metadata: false,
             debug: false,
             // Placeholders, each replaced by its table default just below.
             file_mode: 0,
@@ -319,6 +322,7 @@ impl MountConfig {
             SyncDelete => self.sync_delete = switch()?,
             SyncCreate => self.sync_create = switch()?,
             PageCache => self.page_cache = switch()?,
+            IgnoreMetadata => self.ignore_metadata = switch()?,
             Debug => self.debug = switch()?,
             // Settings of the `s3csi mount` process, not of the mount (`MountArgs` has them).
             Foreground | LogFile => return Err(MountOptionError::Unknown(key.to_string())),
@@ -353,6 +357,7 @@ impl MountConfig {
             SyncDelete => on(self.sync_delete),
             SyncCreate => on(self.sync_create),
             PageCache => on(self.page_cache),
+            IgnoreMetadata => on(self.ignore_metadata),
             Debug => on(self.debug),
             Foreground | LogFile => None,
         }

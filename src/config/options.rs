@@ -26,6 +26,7 @@ pub enum OptionId {
     SyncDelete,
     SyncCreate,
     PageCache,
+    IgnoreMetadata,
     Foreground,
     LogFile,
     Debug,
@@ -366,6 +367,13 @@ pub static MOUNT_OPTIONS: &[OptionSpec] = &[
         "page-cache",
         "Let the kernel cache file data while a file is open (default: direct I/O, which \
          copies reads and writes once, on Linux 6.6+; see README \"Semantics\")",
+    ),
+    OptionSpec::switch(
+        Id::IgnoreMetadata,
+        "ignore-metadata",
+        "Ignore POSIX metadata stored with objects (s3fs's x-amz-meta-mode/uid/gid/mtime): \
+         every file shows --uid/--gid/--file-mode/--dir-mode and chmod, chown, utimes are \
+         accepted and forgotten; saves the HEAD per object a listing otherwise costs",
     ),
     OptionSpec::switch(
         Id::Foreground,

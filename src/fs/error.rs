@@ -30,6 +30,10 @@ pub enum FsError {
     CrossDevice,
     #[error("invalid argument: {0}")]
     Invalid(&'static str),
+    #[error("no such attribute")]
+    NoAttr,
+    #[error("extended attributes too large for S3's 2 KiB of user metadata")]
+    XattrTooBig,
     #[error("upload failed earlier: {0}")]
     UploadFailed(S3Error),
     #[error(transparent)]
@@ -52,6 +56,8 @@ impl FsError {
             FsError::Unsupported(_) => libc::EOPNOTSUPP,
             FsError::CrossDevice => libc::EXDEV,
             FsError::Invalid(_) => libc::EINVAL,
+            FsError::NoAttr => libc::ENODATA,
+            FsError::XattrTooBig => libc::E2BIG,
             // A failed upload is reported as EIO whatever S3 said: the data is not durable.
             FsError::UploadFailed(_) => libc::EIO,
             FsError::S3(e) => e.errno(),

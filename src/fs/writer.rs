@@ -118,6 +118,7 @@ impl S3Fs {
                 }
                 self.start_writing(ino, fh, base.size)?;
                 let mut up = self.new_upload(f.key.clone());
+                up.set_meta(self.upload_headers(ino));
                 if let Err(e) = self.continue_upload(&mut up, &base).await {
                     self.stop_writing(ino, fh);
                     return Err(e);
@@ -134,6 +135,9 @@ impl S3Fs {
         }
         match &mut f.state {
             FileState::Write(up) => {
+                if !up.has_meta() {
+                    up.set_meta(self.upload_headers(ino));
+                }
                 let n = up.write(offset, data).await.inspect_err(|e| {
                     tracing::warn!(key = %up.key(), offset, error = %e, "write refused");
                 })?;
@@ -141,6 +145,7 @@ impl S3Fs {
                 if let Some(i) = self.inodes().get_mut(ino) {
                     i.size = written;
                     i.mtime = SystemTime::now();
+                    i.mtime_from_writes = i.meta.is_some();
                 }
                 f.writers.note(owner);
                 Ok(n)
@@ -224,8 +229,12 @@ impl S3Fs {
         let FileState::Write(up) = &mut f.state else {
             return Ok(());
         };
-        let result = up.finish().await;
         let ino = f.ino;
+        // The metadata as it is now goes with the upload (see `meta_update.rs`).
+        let meta_change = self.inode(ino).map(|i| i.meta_changes).unwrap_or(0);
+        up.set_meta(self.upload_headers(ino));
+        let result = up.finish().await;
+        let meta_in_s3 = up.meta_in_s3();
         f.state = if result.is_ok() {
             FileState::Committed
         } else {
@@ -245,6 +254,11 @@ impl S3Fs {
                     i.etag = meta.etag.clone();
                     i.validated = Some(Instant::now());
                     i.local_only = false;
+                    i.meta_stamp = None;
+                    i.mtime_from_writes = false;
+                    if meta_in_s3 {
+                        i.meta_saved = i.meta_saved.max(meta_change);
+                    }
                 }
                 Err(_) => {
                     // What S3 holds now is unknown to us: ask again next time.
@@ -257,7 +271,12 @@ impl S3Fs {
                 }
             }
         }
+        let resave = t.get(ino).is_some_and(|i| i.meta_changes != i.meta_saved);
         drop(t);
+        if result.is_ok() && resave {
+            // A multipart upload started with older metadata, or a change came meanwhile.
+            self.schedule_save(ino);
+        }
         if let Err(e) = &result {
             tracing::error!(key = %f.key, error = %e, "upload failed; the application gets EIO");
         } else if unlinked {
@@ -274,7 +293,8 @@ impl S3Fs {
         };
         let mut f = file.lock().await;
         self.commit(&mut f, fh, false).await?;
-        self.await_pending(f.ino).await
+        self.await_pending(f.ino).await?;
+        self.save_meta(f.ino).await
     }
 
     /// Completes every open upload and every empty file's PUT (see `defer_empty`); used
@@ -306,6 +326,7 @@ impl S3Fs {
                 }
             }
         }
+        failed += self.save_all_meta().await;
         failed + self.deletes.drain().await
     }
 
@@ -347,7 +368,14 @@ impl S3Fs {
             tracing::warn!(key = %i.key, size, "refusing truncate to a non-zero size");
             return Err(FsError::Unsupported("truncate to a size other than 0"));
         }
-        let meta = self.client.put_object(&i.key, Bytes::new()).await?;
+        let meta = match self.upload_headers(ino) {
+            Some(h) => {
+                self.client
+                    .put_object_with_meta(&i.key, Bytes::new(), &h)
+                    .await?
+            }
+            None => self.client.put_object(&i.key, Bytes::new()).await?,
+        };
         let mut t = self.inodes();
         let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
         i.size = 0;

@@ -4,7 +4,9 @@
 //! here, named after the S3 API call it stands for (a large `CopyObject` is several requests
 //! on the wire, counted as one).
 
-use super::{CompletedPart, ListPage, ListRequest, ObjectClient, ObjectMeta, S3Error, S3Result};
+use super::{
+    CompletedPart, ListPage, ListRequest, ObjectClient, ObjectMeta, S3Error, S3Result, UserMeta,
+};
 use async_trait::async_trait;
 use bytes::Bytes;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -264,6 +266,49 @@ impl ObjectClient for MeteredClient {
     async fn delete_object(&self, key: &str) -> S3Result<()> {
         self.timed("DeleteObject", self.inner.delete_object(key))
             .await
+    }
+
+    async fn head_object_with_meta(&self, key: &str) -> S3Result<(ObjectMeta, UserMeta)> {
+        self.timed("HeadObject", self.inner.head_object_with_meta(key))
+            .await
+    }
+
+    async fn put_object_with_meta(
+        &self,
+        key: &str,
+        body: Bytes,
+        meta: &UserMeta,
+    ) -> S3Result<ObjectMeta> {
+        let len = body.len();
+        let result = self
+            .timed(
+                "PutObject",
+                self.inner.put_object_with_meta(key, body, meta),
+            )
+            .await;
+        self.written(result, len)
+    }
+
+    async fn create_multipart_with_meta(&self, key: &str, meta: &UserMeta) -> S3Result<String> {
+        self.timed(
+            "CreateMultipartUpload",
+            self.inner.create_multipart_with_meta(key, meta),
+        )
+        .await
+    }
+
+    async fn replace_metadata(
+        &self,
+        key: &str,
+        etag: &str,
+        size: u64,
+        meta: &UserMeta,
+    ) -> S3Result<ObjectMeta> {
+        self.timed(
+            "CopyObject",
+            self.inner.replace_metadata(key, etag, size, meta),
+        )
+        .await
     }
 
     async fn delete_objects(&self, keys: Vec<String>) -> S3Result<usize> {
