@@ -24,6 +24,7 @@ ROWS = [
     ("write", f"sequential write, {args.big} file (size checked in S3)", "MiB/s", True),
     ("touch", f"{args.touch} × touch", "s", False),
     ("ls", f"ls -laR, {args.objects} objects in {args.dirs} dirs", "s", False),
+    ("ls_meta", f"ls -laR, {args.objects} objects in {args.dirs} dirs, s3fs metadata on each", "s", False),
     ("write_unlink", f"{args.wu} × (write 1 KiB + close + unlink)", "s", False),
     ("md_create", f"mdtest create ({args.md} files)", "ops/s", True),
     ("md_stat", f"mdtest stat ({args.md} files)", "ops/s", True),

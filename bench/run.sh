@@ -141,6 +141,9 @@ for c in $CLIENTS; do
     log "setup $c: creating $((DIRS * FILES)) objects in $DIRS directories"
     "$BENCH" populate --endpoint "$DIRECT" --bucket "$(bucket "$c")" --prefix tree \
       --dirs "$DIRS" --files "$FILES" >/dev/null || exit 1
+    log "setup $c: creating $((DIRS * FILES)) objects with s3fs metadata in $DIRS directories"
+    "$BENCH" populate --endpoint "$DIRECT" --bucket "$(bucket "$c")" --prefix mtree \
+      --dirs "$DIRS" --files "$FILES" --with-metadata >/dev/null || exit 1
   fi
 done
 
@@ -267,6 +270,23 @@ umount_fs() {
   MOUNTED=()
 }
 
+bench_ls() { # FS RUN TREE NAME
+  local fs=$1 run=$2 tree=$3 name=$4 t0 t1 out rc req
+  mark "$fs"
+  t0=$(now)
+  out=$(timeout "$TMO" ls -laR "$MNT/$tree" 2>"$WORK/err-$fs-$name-$run.txt" | grep -c '^-')
+  rc=$?
+  t1=$(now)
+  req=$(count "$fs")
+  if [ "$out" != "$((DIRS * FILES))" ]; then
+    echo "$fs run $run: ls -laR $tree listed ${out:-0} files, expected $((DIRS * FILES))" >>"$NOTES"
+    record "$fs" "$name" "$run" "$([ "$rc" = 124 ] && echo timeout || echo error)" "$req"
+  else
+    record "$fs" "$name" "$run" "$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f", b - a }')" "$req"
+  fi
+  log "  $fs $name: $(tail -1 "$RES" | cut -f4)  [requests: $req]"
+}
+
 bench_mount() { # FS RUN
   local fs=$1 run=$2 t0 t1 out rc req size hwm
   mount_fs "$fs" "$run" || return
@@ -286,20 +306,9 @@ bench_mount() { # FS RUN
   # 3. touch
   mkdir -p "$MNT/touch-$run"
   run_timed "$fs" touch "$run" secs "$BENCH" fs touch "$MNT/touch-$run" --n "$TOUCH_N"
-  # 4. ls -laR over the tree created through the S3 API
-  mark "$fs"
-  t0=$(now)
-  out=$(timeout "$TMO" ls -laR "$MNT/tree" 2>"$WORK/err-$fs-ls-$run.txt" | grep -c '^-')
-  rc=$?
-  t1=$(now)
-  req=$(count "$fs")
-  if [ "$out" != "$((DIRS * FILES))" ]; then
-    echo "$fs run $run: ls -laR listed ${out:-0} files, expected $((DIRS * FILES))" >>"$NOTES"
-    record "$fs" ls "$run" "$([ "$rc" = 124 ] && echo timeout || echo error)" "$req"
-  else
-    record "$fs" ls "$run" "$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f", b - a }')" "$req"
-  fi
-  log "  $fs ls: $(tail -1 "$RES" | cut -f4)  [requests: $req]"
+  # 4. ls -laR over the tree created through the S3 API, without and with s3fs metadata
+  bench_ls "$fs" "$run" tree ls
+  bench_ls "$fs" "$run" mtree ls_meta
   # 5. small write + unlink
   mkdir -p "$MNT/wu-$run"
   run_timed "$fs" write_unlink "$run" secs "$BENCH" fs write-unlink "$MNT/wu-$run" --n "$WU_N"

@@ -94,6 +94,9 @@ enum Cmd {
         size: usize,
         #[arg(long, default_value_t = 32)]
         concurrency: usize,
+        /// Give every object s3fs-style POSIX metadata (mode, uid, gid, mtime).
+        #[arg(long)]
+        with_metadata: bool,
     },
     /// File-system workloads, run inside a mount.
     Fs {
@@ -323,8 +326,10 @@ async fn populate(
     files: usize,
     size: usize,
     conc: usize,
+    meta: Option<s3csi::s3::UserMeta>,
 ) -> Result<()> {
     let c = client(s3).await;
+    let meta = &meta;
     let body = pattern(size);
     let t = Instant::now();
     let keys: Vec<String> = (0..dirs)
@@ -333,7 +338,12 @@ async fn populate(
     let n = keys.len();
     let (c, body) = (&c, &body);
     futures::stream::iter(keys)
-        .map(|k| async move { c.put_object(&k, body.clone()).await })
+        .map(|k| async move {
+            match meta {
+                Some(m) => c.put_object_with_meta(&k, body.clone(), m).await,
+                None => c.put_object(&k, body.clone()).await,
+            }
+        })
         .buffer_unordered(conc)
         .try_for_each(|_| async { Ok(()) })
         .await?;
@@ -527,7 +537,17 @@ fn main() -> Result<()> {
                 files,
                 size,
                 concurrency,
-            } => populate(&s3, &prefix, dirs, files, size, concurrency.max(1)).await,
+                with_metadata,
+            } => {
+                let meta = with_metadata.then(|| {
+                    [("mode", "33200"), ("uid", "1000"), ("gid", "1000")]
+                        .iter()
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                        .chain([("mtime".to_string(), "1700000000".to_string())])
+                        .collect::<s3csi::s3::UserMeta>()
+                });
+                populate(&s3, &prefix, dirs, files, size, concurrency.max(1), meta).await
+            }
             Cmd::Fs { .. } => unreachable!(),
         }
     })

@@ -293,6 +293,7 @@ mod tests {
         c.sync_create = rng.chance();
         c.sync_delete = rng.chance();
         c.page_cache = rng.chance();
+        c.ignore_metadata = rng.chance();
         c.debug = rng.chance();
         if rng.chance() {
             c.uid = rng.below(u32::MAX as u64) as u32;

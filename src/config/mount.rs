@@ -138,6 +138,8 @@ pub struct MountConfig {
     pub page_cache: bool,
     /// Local space staged files (edits in place) may take together.
     pub cache_size: u64,
+    /// Stored POSIX metadata is neither shown nor written (default: it is, as s3fs does).
+    pub ignore_metadata: bool,
     pub debug: bool,
 }
 
@@ -157,6 +159,7 @@ impl MountConfig {
             sync_create: false,
             sync_delete: false,
             page_cache: false,
+            ignore_metadata: false,
             debug: false,
             // Placeholders, each replaced by its table default just below.
             file_mode: 0,
@@ -323,6 +326,7 @@ impl MountConfig {
             SyncCreate => self.sync_create = switch()?,
             PageCache => self.page_cache = switch()?,
             CacheSize => self.cache_size = parse_size(text()?).map_err(|e| invalid(key, e))?,
+            IgnoreMetadata => self.ignore_metadata = switch()?,
             Debug => self.debug = switch()?,
             // Settings of the `s3csi mount` process, not of the mount (`MountArgs` has them).
             Foreground | LogFile | CacheDir => {
@@ -360,6 +364,7 @@ impl MountConfig {
             SyncCreate => on(self.sync_create),
             PageCache => on(self.page_cache),
             CacheSize => Some(format_size(self.cache_size)),
+            IgnoreMetadata => on(self.ignore_metadata),
             Debug => on(self.debug),
             Foreground | LogFile | CacheDir => None,
         }

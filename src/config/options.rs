@@ -28,6 +28,7 @@ pub enum OptionId {
     PageCache,
     CacheDir,
     CacheSize,
+    IgnoreMetadata,
     Foreground,
     LogFile,
     Debug,
@@ -383,6 +384,13 @@ pub static MOUNT_OPTIONS: &[OptionSpec] = &[
         "SIZE",
         Value("10GiB"),
         "Local disk space files edited in place may take together; past it, writes get ENOSPC",
+    ),
+    OptionSpec::switch(
+        Id::IgnoreMetadata,
+        "ignore-metadata",
+        "Ignore POSIX metadata stored with objects (s3fs's x-amz-meta-mode/uid/gid/mtime): \
+         every file shows --uid/--gid/--file-mode/--dir-mode and chmod, chown, utimes are \
+         accepted and forgotten; saves the HEAD per object a listing otherwise costs",
     ),
     OptionSpec::switch(
         Id::Foreground,

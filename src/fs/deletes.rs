@@ -19,7 +19,7 @@
 
 use super::lock;
 use crate::s3::{
-    CompletedPart, ListPage, ListRequest, ObjectClient, ObjectMeta, S3Error, S3Result,
+    CompletedPart, ListPage, ListRequest, ObjectClient, ObjectMeta, S3Error, S3Result, UserMeta,
     WriteCondition,
 };
 use async_trait::async_trait;
@@ -200,9 +200,10 @@ impl ObjectClient for DeferredDeletes {
         key: &str,
         body: Bytes,
         cond: Option<&WriteCondition>,
+        meta: Option<&UserMeta>,
     ) -> S3Result<ObjectMeta> {
         self.settle(key).await;
-        self.inner.put_object_if(key, body, cond).await
+        self.inner.put_object_if(key, body, cond, meta).await
     }
 
     async fn create_multipart(&self, key: &str) -> S3Result<String> {
@@ -267,6 +268,36 @@ impl ObjectClient for DeferredDeletes {
 
     async fn delete_object(&self, key: &str) -> S3Result<()> {
         self.delete_after(key, std::future::ready(())).await
+    }
+
+    async fn head_object_with_meta(&self, key: &str) -> S3Result<(ObjectMeta, UserMeta)> {
+        let started = lock(&self.ledger).start_read();
+        let res = self.inner.head_object_with_meta(key).await;
+        let mut ledger = lock(&self.ledger);
+        let hidden = ledger.hidden(started, key);
+        ledger.end_read(started);
+        if hidden {
+            return Err(S3Error::NotFound);
+        }
+        res
+    }
+
+    async fn create_multipart_with_meta(&self, key: &str, meta: &UserMeta) -> S3Result<String> {
+        self.inner.create_multipart_with_meta(key, meta).await
+    }
+
+    async fn replace_metadata(
+        &self,
+        key: &str,
+        etag: &str,
+        size: u64,
+        meta: &UserMeta,
+    ) -> S3Result<ObjectMeta> {
+        // A copy onto a key whose DELETE is pending would bring it back.
+        if lock(&self.ledger).pending.contains_key(key) {
+            return Err(S3Error::NotFound);
+        }
+        self.inner.replace_metadata(key, etag, size, meta).await
     }
 }
 

@@ -141,7 +141,10 @@ impl S3Fs {
     /// it, so that a later fsync or close can try again.
     pub(super) async fn commit_staged(&self, ino: u64, s: &Staged) -> FsResult<()> {
         let mut file = s.lock().await;
-        match file.commit(&self.commit_config()).await {
+        // The metadata as it is now goes with the commit (see `meta_update.rs`).
+        let meta_change = self.inode(ino).map(|i| i.meta_changes).unwrap_or(0);
+        let headers = self.upload_headers(ino);
+        match file.commit(&self.commit_config(), headers.as_ref()).await {
             Ok(None) => Ok(()),
             Ok(Some(meta)) => {
                 let mut t = self.inodes();
@@ -151,6 +154,11 @@ impl S3Fs {
                     i.mtime = SystemTime::now();
                     i.validated = Some(Instant::now());
                     i.local_only = false;
+                    i.meta_stamp = None;
+                    i.mtime_from_writes = false;
+                    if headers.is_some() {
+                        i.meta_saved = i.meta_saved.max(meta_change);
+                    }
                 }
                 Ok(())
             }
@@ -180,8 +188,16 @@ impl S3Fs {
         if staged.get(&ino).is_some_and(|cur| Arc::ptr_eq(cur, s)) {
             staged.remove(&ino);
             drop(staged);
-            if let Some(i) = self.inodes().get_mut(ino) {
-                i.staged = false;
+            let unsaved = {
+                let mut t = self.inodes();
+                t.get_mut(ino).is_some_and(|i| {
+                    i.staged = false;
+                    i.meta_changes != i.meta_saved && !i.being_written()
+                })
+            };
+            if unsaved {
+                // A chmod/utimes that came while staged, with no commit to carry it.
+                self.schedule_save(ino);
             }
         }
     }

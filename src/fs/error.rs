@@ -40,6 +40,10 @@ pub enum FsError {
     Conflict,
     #[error("local staging I/O: {0}")]
     Local(String),
+    #[error("no such attribute")]
+    NoAttr,
+    #[error("extended attributes too large for S3's 2 KiB of user metadata")]
+    XattrTooBig,
     #[error("upload failed earlier: {0}")]
     UploadFailed(S3Error),
     #[error(transparent)]
@@ -68,6 +72,8 @@ impl FsError {
             // The edit is not in S3 (it is in lost+found): the close must fail.
             FsError::Conflict => libc::EIO,
             FsError::Local(_) => libc::EIO,
+            FsError::NoAttr => libc::ENODATA,
+            FsError::XattrTooBig => libc::E2BIG,
             // A failed upload is reported as EIO whatever S3 said: the data is not durable.
             FsError::UploadFailed(_) => libc::EIO,
             FsError::S3(e) => e.errno(),

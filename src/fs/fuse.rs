@@ -1,13 +1,14 @@
 //! Thin fuser adapter: decode the request, run the matching [`S3Fs`] method on the tokio
 //! runtime, reply. No file-system logic lives here.
 
-use super::inode::Kind;
+use super::meta::NodeType;
+use super::meta_update::{Creator, SetAttrs};
 use super::{Attr, FsError, OpenMode, S3Fs};
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
     KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
-    ReplyDirectory, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow,
-    WriteFlags,
+    ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite,
+    Request, TimeOrNow, WriteFlags,
 };
 use std::ffi::OsStr;
 use std::sync::Arc;
@@ -57,21 +58,30 @@ fn errno(e: &FsError) -> Errno {
     Errno::from_i32(e.errno())
 }
 
+fn file_type(n: NodeType) -> FileType {
+    match n {
+        NodeType::File => FileType::RegularFile,
+        NodeType::Dir => FileType::Directory,
+        NodeType::Symlink => FileType::Symlink,
+        NodeType::Fifo => FileType::NamedPipe,
+        NodeType::Socket => FileType::Socket,
+        NodeType::CharDev => FileType::CharDevice,
+        NodeType::BlockDev => FileType::BlockDevice,
+    }
+}
+
 fn file_attr(a: &Attr) -> FileAttr {
     FileAttr {
         ino: INodeNo(a.ino),
         size: a.size,
         blocks: a.size.div_ceil(512),
-        atime: a.mtime,
+        atime: a.atime,
         mtime: a.mtime,
-        ctime: a.mtime,
+        ctime: a.ctime,
         crtime: a.mtime,
-        kind: match a.kind {
-            Kind::File => FileType::RegularFile,
-            Kind::Dir => FileType::Directory,
-        },
+        kind: file_type(a.node),
         perm: a.perm,
-        nlink: if a.kind == Kind::Dir { 2 } else { 1 },
+        nlink: if a.node == NodeType::Dir { 2 } else { 1 },
         uid: a.uid,
         gid: a.gid,
         rdev: 0,
@@ -83,6 +93,31 @@ fn file_attr(a: &Attr) -> FileAttr {
 /// Names S3 cannot store (not UTF-8) are refused at the edge.
 fn utf8(name: &OsStr) -> Result<&str, FsError> {
     name.to_str().ok_or(FsError::InvalidName)
+}
+
+fn creator(req: &Request) -> Creator {
+    Creator {
+        uid: req.uid(),
+        gid: req.gid(),
+    }
+}
+
+fn time_of(t: TimeOrNow) -> SystemTime {
+    match t {
+        TimeOrNow::SpecificTime(t) => t,
+        TimeOrNow::Now => SystemTime::now(),
+    }
+}
+
+/// Answers a getxattr/listxattr: the size when asked for it, ERANGE when it does not fit.
+fn reply_xattr(reply: fuser::ReplyXattr, size: u32, value: &[u8]) {
+    if size == 0 {
+        reply.size(value.len() as u32);
+    } else if value.len() > size as usize {
+        reply.error(Errno::from_i32(libc::ERANGE));
+    } else {
+        reply.data(value);
+    }
 }
 
 fn open_mode(flags: i32) -> OpenMode {
@@ -100,6 +135,11 @@ impl Filesystem for FuseAdapter {
         // file is one upload, not a PUT of an empty object first.
         let _ = config.add_capabilities(InitFlags::FUSE_ATOMIC_O_TRUNC);
         let _ = config.add_capabilities(InitFlags::FUSE_PARALLEL_DIROPS);
+        // READDIRPLUS: a listing hands the kernel every entry's attributes (their metadata
+        // HEADs went out in parallel, see `S3Fs::fill`), instead of one LOOKUP per entry
+        // after it; AUTO lets the kernel use plain READDIR when nobody stats the entries.
+        let _ = config.add_capabilities(InitFlags::FUSE_DO_READDIRPLUS);
+        let _ = config.add_capabilities(InitFlags::FUSE_READDIRPLUS_AUTO);
         // Direct I/O: a read is copied from our reply straight into the reader's buffer and
         // a write straight from the writer's, instead of through page-cache pages that the
         // kernel must allocate for every byte and throws away at the next open anyway (no
@@ -171,12 +211,12 @@ impl Filesystem for FuseAdapter {
         &self,
         _req: &Request,
         ino: INodeNo,
-        _mode: Option<u32>,
-        _uid: Option<u32>,
-        _gid: Option<u32>,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
         size: Option<u64>,
-        _atime: Option<TimeOrNow>,
-        _mtime: Option<TimeOrNow>,
+        atime: Option<TimeOrNow>,
+        mtime: Option<TimeOrNow>,
         _ctime: Option<SystemTime>,
         fh: Option<FileHandle>,
         _crtime: Option<SystemTime>,
@@ -186,8 +226,20 @@ impl Filesystem for FuseAdapter {
         reply: ReplyAttr,
     ) {
         let fs = self.fs.clone();
+        let set = SetAttrs {
+            mode,
+            uid,
+            gid,
+            atime: atime.map(time_of),
+            mtime: mtime.map(time_of),
+        };
         self.rt.spawn(async move {
-            match fs.setattr(ino.0, size, fh.map(|f| f.0)).await {
+            let res = match fs.setattr(ino.0, size, fh.map(|f| f.0)).await {
+                Ok(a) if set.is_empty() => Ok(a),
+                Ok(_) => fs.set_attrs(ino.0, set).await,
+                Err(e) => Err(e),
+            };
+            match res {
                 Ok(a) => reply.attr(&a.ttl, &file_attr(&a)),
                 Err(e) => reply.error(errno(&e)),
             }
@@ -196,18 +248,19 @@ impl Filesystem for FuseAdapter {
 
     fn mkdir(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         name: &OsStr,
-        _mode: u32,
-        _umask: u32,
+        mode: u32,
+        umask: u32,
         reply: ReplyEntry,
     ) {
         let fs = self.fs.clone();
         let name = name.to_owned();
+        let who = creator(req);
         self.rt.spawn(async move {
             let res = match utf8(&name) {
-                Ok(n) => fs.mkdir(parent.0, n).await,
+                Ok(n) => fs.mkdir_as(parent.0, n, Some((mode & !umask, who))).await,
                 Err(e) => Err(e),
             };
             match res {
@@ -249,14 +302,36 @@ impl Filesystem for FuseAdapter {
 
     fn symlink(
         &self,
-        _req: &Request,
-        _parent: INodeNo,
+        req: &Request,
+        parent: INodeNo,
         link_name: &OsStr,
-        _target: &std::path::Path,
+        target: &std::path::Path,
         reply: ReplyEntry,
     ) {
-        tracing::warn!(name = ?link_name, "symlinks are not supported");
-        reply.error(Errno::from_i32(libc::EOPNOTSUPP));
+        let fs = self.fs.clone();
+        let name = link_name.to_owned();
+        let target = target.as_os_str().to_owned();
+        let who = creator(req);
+        self.rt.spawn(async move {
+            let res = match (utf8(&name), utf8(&target)) {
+                (Ok(n), Ok(t)) => fs.symlink(parent.0, n, t, who).await,
+                _ => Err(FsError::InvalidName),
+            };
+            match res {
+                Ok(a) => reply.entry(&a.ttl, &file_attr(&a), Generation(0)),
+                Err(e) => reply.error(errno(&e)),
+            }
+        });
+    }
+
+    fn readlink(&self, _req: &Request, ino: INodeNo, reply: ReplyData) {
+        let fs = self.fs.clone();
+        self.rt.spawn(async move {
+            match fs.readlink(ino.0).await {
+                Ok(t) => reply.data(&t),
+                Err(e) => reply.error(errno(&e)),
+            }
+        });
     }
 
     fn link(
@@ -267,22 +342,35 @@ impl Filesystem for FuseAdapter {
         newname: &OsStr,
         reply: ReplyEntry,
     ) {
-        tracing::warn!(name = ?newname, "hard links are not supported");
-        reply.error(Errno::from_i32(libc::EOPNOTSUPP));
+        // S3 has no second name for an object; EPERM is what link(2) answers on file
+        // systems without hard links.
+        tracing::debug!(name = ?newname, "hard links are not supported");
+        reply.error(Errno::from_i32(libc::EPERM));
     }
 
     fn mknod(
         &self,
-        _req: &Request,
-        _parent: INodeNo,
+        req: &Request,
+        parent: INodeNo,
         name: &OsStr,
-        _mode: u32,
-        _umask: u32,
+        mode: u32,
+        umask: u32,
         _rdev: u32,
         reply: ReplyEntry,
     ) {
-        tracing::warn!(name = ?name, "special files are not supported");
-        reply.error(Errno::from_i32(libc::EOPNOTSUPP));
+        let fs = self.fs.clone();
+        let name = name.to_owned();
+        let who = creator(req);
+        self.rt.spawn(async move {
+            let res = match utf8(&name) {
+                Ok(n) => fs.mknod(parent.0, n, mode & !(umask & 0o777), who).await,
+                Err(e) => Err(e),
+            };
+            match res {
+                Ok(a) => reply.entry(&a.ttl, &file_attr(&a), Generation(0)),
+                Err(e) => reply.error(errno(&e)),
+            }
+        });
     }
 
     fn rename(
@@ -330,22 +418,28 @@ impl Filesystem for FuseAdapter {
 
     fn create(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         name: &OsStr,
-        _mode: u32,
-        _umask: u32,
+        mode: u32,
+        umask: u32,
         flags: i32,
         reply: ReplyCreate,
     ) {
         let fs = self.fs.clone();
         let name = name.to_owned();
         let file_flags = self.file_flags;
+        let who = creator(req);
         self.rt.spawn(async move {
             let res = match utf8(&name) {
                 Ok(n) => fs.create(parent.0, n, open_mode(flags)).await,
                 Err(e) => Err(e),
             };
+            // Its mode and owner go with its upload.
+            let res = res.map(|(a, fh)| {
+                fs.init_meta(a.ino, mode & !umask, who);
+                (fs.entry_attr(a.ino).unwrap_or(a), fh)
+            });
             match res {
                 Ok((a, fh)) => reply.created(
                     &a.ttl,
@@ -478,14 +572,53 @@ impl Filesystem for FuseAdapter {
             match fs.readdir(fh.0, offset).await {
                 Ok(entries) => {
                     for e in entries {
-                        let kind = match e.kind {
-                            Kind::File => FileType::RegularFile,
-                            Kind::Dir => FileType::Directory,
-                        };
-                        if reply.add(INodeNo(e.ino), e.offset, kind, &e.name) {
+                        if reply.add(INodeNo(e.ino), e.offset, file_type(e.node), &e.name) {
                             break;
                         }
                     }
+                    reply.ok();
+                }
+                Err(e) => reply.error(errno(&e)),
+            }
+        });
+    }
+
+    fn readdirplus(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectoryPlus,
+    ) {
+        let fs = self.fs.clone();
+        self.rt.spawn(async move {
+            match fs.readdir(fh.0, offset).await {
+                Ok(entries) => {
+                    // The kernel takes a reference to every entry it receives but `.` and
+                    // `..`; only those that fit in the reply count.
+                    let mut referenced = Vec::new();
+                    for e in entries {
+                        let Some(a) = fs.entry_attr(e.ino) else {
+                            // Dropped from the table since the listing: the kernel will
+                            // look it up by name.
+                            continue;
+                        };
+                        if reply.add(
+                            INodeNo(e.ino),
+                            e.offset,
+                            &e.name,
+                            &a.ttl,
+                            &file_attr(&a),
+                            Generation(0),
+                        ) {
+                            break;
+                        }
+                        if e.name != "." && e.name != ".." {
+                            referenced.push(e.ino);
+                        }
+                    }
+                    fs.add_lookups(&referenced);
                     reply.ok();
                 }
                 Err(e) => reply.error(errno(&e)),
@@ -527,20 +660,73 @@ impl Filesystem for FuseAdapter {
     fn getxattr(
         &self,
         _req: &Request,
-        _ino: INodeNo,
-        _name: &OsStr,
-        _size: u32,
+        ino: INodeNo,
+        name: &OsStr,
+        size: u32,
         reply: fuser::ReplyXattr,
     ) {
-        reply.error(Errno::from_i32(libc::ENODATA));
+        let fs = self.fs.clone();
+        let name = name.to_owned();
+        self.rt.spawn(async move {
+            let res = match utf8(&name) {
+                Ok(n) => fs.getxattr(ino.0, n).await,
+                Err(_) => Err(FsError::NoAttr),
+            };
+            match res {
+                Ok(v) => reply_xattr(reply, size, &v),
+                Err(e) => reply.error(errno(&e)),
+            }
+        });
     }
 
-    fn listxattr(&self, _req: &Request, _ino: INodeNo, size: u32, reply: fuser::ReplyXattr) {
-        if size == 0 {
-            reply.size(0);
-        } else {
-            reply.data(&[]);
-        }
+    fn listxattr(&self, _req: &Request, ino: INodeNo, size: u32, reply: fuser::ReplyXattr) {
+        let fs = self.fs.clone();
+        self.rt.spawn(async move {
+            match fs.listxattr(ino.0).await {
+                Ok(v) => reply_xattr(reply, size, &v),
+                Err(e) => reply.error(errno(&e)),
+            }
+        });
+    }
+
+    fn setxattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        name: &OsStr,
+        value: &[u8],
+        flags: i32,
+        _position: u32,
+        reply: ReplyEmpty,
+    ) {
+        let fs = self.fs.clone();
+        let name = name.to_owned();
+        let value = value.to_vec();
+        self.rt.spawn(async move {
+            let res = match utf8(&name) {
+                Ok(n) => fs.change_xattr(ino.0, n, Some(&value), flags).await,
+                Err(e) => Err(e),
+            };
+            match res {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno(&e)),
+            }
+        });
+    }
+
+    fn removexattr(&self, _req: &Request, ino: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let fs = self.fs.clone();
+        let name = name.to_owned();
+        self.rt.spawn(async move {
+            let res = match utf8(&name) {
+                Ok(n) => fs.change_xattr(ino.0, n, None, 0).await,
+                Err(_) => Err(FsError::NoAttr),
+            };
+            match res {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno(&e)),
+            }
+        });
     }
 
     fn fallocate(

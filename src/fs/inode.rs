@@ -8,7 +8,9 @@
 //! directories do not pin memory.
 
 use super::inode_log::{Binding, InodeLog};
+use super::meta::PosixMeta;
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
 pub const ROOT_INO: u64 = 1;
@@ -48,6 +50,23 @@ pub struct Inode {
     pub complete_as_of: Option<Instant>,
     /// For directories: when a background listing was last started (see `S3Fs::list_ahead`).
     pub list_ahead_at: Option<Instant>,
+    /// The object's POSIX metadata (see `meta.rs`) for the version this inode shows;
+    /// `None` while unknown (LIST does not return it: a HEAD tells).
+    pub meta: Option<Arc<PosixMeta>>,
+    /// The S3 Last-Modified `meta` was read for. With the ETag it names the version: a
+    /// listing that shows another one drops `meta` (a metadata-only change by another
+    /// client keeps the ETag but not the Last-Modified). `None` after our own upload,
+    /// whose Last-Modified the server did not tell: the next listing with the same ETag
+    /// supplies it.
+    pub meta_stamp: Option<SystemTime>,
+    /// Bumped by every metadata change made here; `meta_saved` is the last one in S3.
+    pub meta_changes: u64,
+    pub meta_saved: u64,
+    /// A symlink's target, once read.
+    pub link_target: Option<Arc<str>>,
+    /// Written through this mount since its metadata was last saved: its mtime is the
+    /// time of the last write (`mtime`), not the stored one.
+    pub mtime_from_writes: bool,
 }
 
 impl Inode {
@@ -55,6 +74,22 @@ impl Inode {
     /// version is not the file's any more, and it must not move or be forgotten.
     pub fn being_written(&self) -> bool {
         self.writer.is_some() || self.staged
+    }
+
+    /// Keeps `meta` only if S3 still holds the version it was read for (see `meta_stamp`).
+    /// Directories from a listing carry no version: theirs stays until it expires.
+    fn forget_meta_unless(&mut self, etag: Option<&str>, mtime: SystemTime) {
+        if self.kind == Kind::Dir || self.meta.is_none() || self.meta_changes != self.meta_saved {
+            return;
+        }
+        if etag.is_none() || self.etag.as_deref() != etag {
+            self.meta = None;
+            self.link_target = None;
+        } else if self.meta_stamp.is_none() {
+            self.meta_stamp = Some(mtime);
+        } else if self.meta_stamp != Some(mtime) {
+            self.meta = None;
+        }
     }
 
     pub fn child_key(&self, name: &str, kind: Kind) -> String {
@@ -74,6 +109,9 @@ pub struct InodeTable {
     /// Bumped whenever a name is dropped from the table without being deleted in S3, so
     /// a listing that raced with it does not claim to be complete.
     pub forgotten_names: u64,
+    /// Bumped by every rename and unlink here, so that a background listing begun before
+    /// one does not bring the old name back (see `S3Fs::list_ahead`).
+    pub namespace_changes: u64,
     /// Crash recovery (see `inode_log`): where bindings the kernel knows are persisted.
     log: Option<InodeLog>,
     /// Inodes whose binding is in the log.
@@ -101,6 +139,12 @@ impl InodeTable {
             local_only: false,
             complete_as_of: None,
             list_ahead_at: None,
+            meta: None,
+            meta_stamp: None,
+            meta_changes: 0,
+            meta_saved: 0,
+            link_target: None,
+            mtime_from_writes: false,
         };
         Self {
             by_ino: HashMap::from([(ROOT_INO, root)]),
@@ -108,6 +152,7 @@ impl InodeTable {
             next_ino: ROOT_INO + 1,
             evict_above,
             forgotten_names: 0,
+            namespace_changes: 0,
             log: None,
             logged: HashSet::new(),
             recovered: HashSet::new(),
@@ -142,6 +187,12 @@ impl InodeTable {
                     local_only: false,
                     complete_as_of: None,
                     list_ahead_at: None,
+                    meta: None,
+                    meta_stamp: None,
+                    meta_changes: 0,
+                    meta_saved: 0,
+                    link_target: None,
+                    mtime_from_writes: false,
                 },
             );
             self.bind(b.parent, b.name(), b.ino);
@@ -256,6 +307,7 @@ impl InodeTable {
                     // A writer's size and a local-only file (an empty new one whose PUT is
                     // under way, see `S3Fs::defer_empty`) are ours to report, not S3's.
                     if !inode.being_written() && !inode.local_only {
+                        inode.forget_meta_unless(etag.as_deref(), mtime);
                         inode.size = size;
                         inode.mtime = mtime;
                         inode.etag = etag;
@@ -291,6 +343,12 @@ impl InodeTable {
                 local_only: false,
                 complete_as_of: None,
                 list_ahead_at: None,
+                meta: None,
+                meta_stamp: None,
+                meta_changes: 0,
+                meta_saved: 0,
+                link_target: None,
+                mtime_from_writes: false,
             },
         );
         self.bind(parent, name, ino);
@@ -303,6 +361,7 @@ impl InodeTable {
     /// Unbinds `name`; the inode itself lives on until the kernel forgets it.
     pub fn unbind(&mut self, parent: u64, name: &str) -> Option<u64> {
         let ino = self.unbind_name(parent, name)?;
+        self.namespace_changes += 1;
         self.log_gone(ino);
         self.maybe_remove(ino);
         Some(ino)
@@ -311,6 +370,7 @@ impl InodeTable {
     /// Moves an inode to a new name (after a rename in S3). Returns the inode that was
     /// bound to the target name before, if any.
     pub fn rebind(&mut self, ino: u64, new_parent: u64, new_name: &str) -> Option<u64> {
+        self.namespace_changes += 1;
         let (old_parent, old_name) = {
             let i = self.by_ino.get(&ino)?;
             (i.parent, i.name.clone())
@@ -456,6 +516,15 @@ impl InodeTable {
 
     pub fn len(&self) -> usize {
         self.by_ino.len()
+    }
+
+    /// Inodes whose metadata changed here and is not saved yet.
+    pub fn dirty_meta(&self) -> Vec<u64> {
+        self.by_ino
+            .values()
+            .filter(|i| i.meta_changes != i.meta_saved)
+            .map(|i| i.ino)
+            .collect()
     }
 
     pub fn is_empty(&self) -> bool {

@@ -1,29 +1,56 @@
 //! Names to inodes: lookup (HEAD and LIST together), the listing of siblings ahead of
 //! their lookups, getattr, and the kernel forgetting inodes.
 
+use super::meta_update::{head_batch, set_meta_from, unknown_meta};
 use super::*;
+use crate::s3::UserMeta;
 
 impl S3Fs {
     /// Asks S3 what `name` under `parent_key` is: HEAD of the file key and a one-key LIST
-    /// of the directory prefix, concurrently, so a lookup costs one round trip.
+    /// of the directory prefix, concurrently, so a lookup costs one round trip. With
+    /// stored metadata honoured, the HEAD brings the file's metadata and a HEAD of the
+    /// directory marker goes along (third request, same round trip); the user metadata is
+    /// then `Some` (empty for an object without any, or an implicit directory).
     pub(super) async fn probe(
         &self,
         parent_key: &str,
         name: &str,
-    ) -> FsResult<Option<(Kind, crate::s3::ObjectMeta)>> {
+    ) -> FsResult<Option<(Kind, crate::s3::ObjectMeta, Option<UserMeta>)>> {
         let file_key = format!("{parent_key}{name}");
         if file_key.len() + 1 > MAX_KEY_LEN {
             return Err(FsError::NameTooLong);
         }
         let dir_prefix = format!("{file_key}/");
-        let (head, list) = tokio::join!(
-            self.client.head_object(&file_key),
+        let with_meta = self.cfg.posix_metadata;
+        let head = async {
+            if with_meta {
+                self.client
+                    .head_object_with_meta(&file_key)
+                    .await
+                    .map(|(m, h)| (m, Some(h)))
+            } else {
+                self.client.head_object(&file_key).await.map(|m| (m, None))
+            }
+        };
+        let marker = async {
+            if !with_meta {
+                return Ok(None);
+            }
+            match self.client.head_object_with_meta(&dir_prefix).await {
+                Ok((_, h)) => Ok(Some(h)),
+                Err(S3Error::NotFound) => Ok(Some(UserMeta::new())),
+                Err(e) => Err(e),
+            }
+        };
+        let (head, list, marker) = tokio::join!(
+            head,
             self.client.list(ListRequest {
                 prefix: &dir_prefix,
                 delimiter: Some("/"),
                 continuation: None,
                 max_keys: 1,
-            })
+            }),
+            marker
         );
         let list = list?;
         if !list.objects.is_empty() || !list.prefixes.is_empty() {
@@ -32,10 +59,10 @@ impl S3Fs {
                 mtime: self.mount_time,
                 etag: None,
             };
-            return Ok(Some((Kind::Dir, meta)));
+            return Ok(Some((Kind::Dir, meta, marker?)));
         }
         match head {
-            Ok(meta) => Ok(Some((Kind::File, meta))),
+            Ok((meta, h)) => Ok(Some((Kind::File, meta, h))),
             Err(S3Error::NotFound) => Ok(None),
             Err(e) => Err(e.into()),
         }
@@ -59,23 +86,42 @@ impl S3Fs {
     async fn find(&self, parent: u64, name: &str, kernel_ref: bool) -> FsResult<Attr> {
         check_name(name)?;
         let parent_inode = self.dir_inode(parent)?;
-        {
+        let load_first = {
             let mut t = self.inodes();
             if let Some(child) = t.child(parent, name) {
                 if self.fresh(child) {
-                    let attr = self.attr_of(child);
-                    if kernel_ref {
-                        t.add_lookup(attr.ino);
+                    if self.needs_meta(child) {
+                        // Known from a listing, which tells no metadata: one HEAD first.
+                        Some(child.ino)
+                    } else {
+                        let attr = self.attr_of(child);
+                        if kernel_ref {
+                            t.add_lookup(attr.ino);
+                        }
+                        return Ok(attr);
                     }
-                    return Ok(attr);
+                } else {
+                    None
                 }
             } else if self.listing_fresh(&parent_inode) {
                 return Err(FsError::NotFound);
+            } else {
+                None
             }
+        };
+        if let Some(ino) = load_first {
+            self.load_meta(&[ino]).await;
+            let mut t = self.inodes();
+            let child = t.get(ino).ok_or(FsError::NotFound)?;
+            let attr = self.attr_of(child);
+            if kernel_ref {
+                t.add_lookup(attr.ino);
+            }
+            return Ok(attr);
         }
         self.list_ahead(&parent_inode);
         match self.probe(&parent_inode.key, name).await? {
-            Some((kind, meta)) => {
+            Some((kind, meta, headers)) => {
                 let mut t = self.inodes();
                 // A writer that appeared meanwhile wins over what S3 said.
                 if let Some(child) = t.child(parent, name) {
@@ -87,7 +133,11 @@ impl S3Fs {
                         return Ok(attr);
                     }
                 }
+                let mtime = meta.mtime;
                 let ino = t.upsert(parent, name, kind, meta.size, meta.mtime, meta.etag);
+                if let (Some(h), Some(i)) = (headers, t.get_mut(ino)) {
+                    set_meta_from(i, &h, mtime);
+                }
                 if kernel_ref {
                     t.add_lookup(ino);
                 }
@@ -131,8 +181,12 @@ impl S3Fs {
         let client = self.client.clone();
         let inodes = self.inodes.clone();
         let (ino, key, dir_mtime) = (dir.ino, dir.key.clone(), self.mount_time);
+        let with_meta = self.cfg.posix_metadata;
         tokio::spawn(async move {
-            let (started, forgotten) = (Instant::now(), lock(&inodes).forgotten_names);
+            let (started, forgotten, changes) = {
+                let t = lock(&inodes);
+                (Instant::now(), t.forgotten_names, t.namespace_changes)
+            };
             let mut token: Option<String> = None;
             for _ in 0..LIST_AHEAD_PAGES {
                 let request = ListRequest {
@@ -148,10 +202,25 @@ impl S3Fs {
                         return;
                     }
                 };
+                let heads: Vec<(u64, String, Kind)> = {
+                    let mut t = lock(&inodes);
+                    if t.namespace_changes != changes {
+                        // A rename or unlink since this listing began: its names may be
+                        // stale, and it is only a prefetch.
+                        return;
+                    }
+                    page_entries(&key, &page, dir_mtime)
+                        .into_iter()
+                        .filter_map(|e| {
+                            let child = t.upsert(ino, &e.name, e.kind, e.size, e.mtime, e.etag);
+                            let c = t.get(child).filter(|c| with_meta && unknown_meta(c))?;
+                            Some((c.ino, c.key.clone(), c.kind))
+                        })
+                        .collect()
+                };
+                // The siblings' metadata too, so that their lookups cost nothing.
+                head_batch(&client, &inodes, heads, dir_mtime).await;
                 let mut t = lock(&inodes);
-                for e in page_entries(&key, &page, dir_mtime) {
-                    t.upsert(ino, &e.name, e.kind, e.size, e.mtime, e.etag);
-                }
                 token = page.next_token;
                 if token.is_none() {
                     if forgotten == t.forgotten_names {
@@ -171,22 +240,38 @@ impl S3Fs {
 
     pub async fn getattr(&self, ino: u64) -> FsResult<Attr> {
         let i = self.inode(ino)?;
-        if i.kind == Kind::Dir || self.fresh(&i) {
+        if (i.kind == Kind::Dir || self.fresh(&i)) && !self.needs_meta(&i) {
             return Ok(self.attr_of(&i));
+        }
+        if i.kind == Kind::Dir {
+            self.load_meta(&[ino]).await;
+            return Ok(self.attr_of(&self.inode(ino)?));
         }
         self.head_attr(ino, &i).await
     }
 
-    /// Asks S3 for the object's metadata (HEAD), whatever the table knows.
+    /// Asks S3 for the object's metadata (HEAD, with its user metadata when it is
+    /// honoured), whatever the table knows.
     pub(super) async fn head_attr(&self, ino: u64, i: &Inode) -> FsResult<Attr> {
-        match self.client.head_object(&i.key).await {
-            Ok(meta) => {
+        let head = if self.cfg.posix_metadata {
+            self.client
+                .head_object_with_meta(&i.key)
+                .await
+                .map(|(m, h)| (m, Some(h)))
+        } else {
+            self.client.head_object(&i.key).await.map(|m| (m, None))
+        };
+        match head {
+            Ok((meta, headers)) => {
                 let mut t = self.inodes();
                 let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
                 if !i.being_written() {
                     i.size = meta.size;
                     i.mtime = meta.mtime;
                     i.etag = meta.etag;
+                    if let Some(h) = headers {
+                        set_meta_from(i, &h, meta.mtime);
+                    }
                 }
                 i.validated = Some(Instant::now());
                 Ok(self.attr_of(i))

@@ -31,6 +31,8 @@ mod handles;
 pub mod inode;
 pub mod inode_log;
 mod lookup;
+pub mod meta;
+mod meta_update;
 mod namespace;
 mod pending_create;
 pub mod prefetch;
@@ -94,6 +96,9 @@ pub struct FsConfig {
     pub cache_dir: Option<std::path::PathBuf>,
     /// Space staged files may take together.
     pub cache_size: u64,
+    /// Stored POSIX metadata (`meta.rs`) is read and written; off: every file shows the
+    /// defaults above and chmod/chown/utimes are accepted and forgotten, as before.
+    pub posix_metadata: bool,
 }
 
 impl From<&MountConfig> for FsConfig {
@@ -116,6 +121,7 @@ impl From<&MountConfig> for FsConfig {
             page_cache: cfg.page_cache,
             cache_dir: None,
             cache_size: cfg.cache_size,
+            posix_metadata: !cfg.ignore_metadata,
         }
     }
 }
@@ -133,8 +139,13 @@ impl Default for FsConfig {
 pub struct Attr {
     pub ino: u64,
     pub kind: Kind,
+    /// The file type `stat` shows: `kind`, or what the stored mode says (symlink, fifo...).
+    pub node: meta::NodeType,
     pub size: u64,
     pub mtime: SystemTime,
+    pub ctime: SystemTime,
+    pub atime: SystemTime,
+    /// Permission bits, setuid/setgid/sticky included.
     pub perm: u16,
     pub uid: u32,
     pub gid: u32,
@@ -148,6 +159,8 @@ pub struct DirEntry {
     /// Opaque cookie the kernel hands back to continue after this entry.
     pub offset: u64,
     pub kind: Kind,
+    /// The type `d_type` shows (what the stored mode says, when known).
+    pub node: meta::NodeType,
     pub name: String,
 }
 
@@ -275,26 +288,59 @@ impl S3Fs {
     }
 
     fn attr_of(&self, i: &Inode) -> Attr {
-        Attr {
-            ino: i.ino,
-            kind: i.kind,
-            size: i.size,
-            mtime: if i.kind == Kind::Dir {
+        let m = self.stored_meta(i);
+        let default_node = match i.kind {
+            Kind::File => meta::NodeType::File,
+            Kind::Dir => meta::NodeType::Dir,
+        };
+        // The key decides between directory and the rest: a stored mode claiming otherwise
+        // (another client's mistake) is not believed.
+        let node = m
+            .and_then(|m| m.node_type())
+            .filter(|t| (*t == meta::NodeType::Dir) == (i.kind == Kind::Dir))
+            .unwrap_or(default_node);
+        let mtime = if i.mtime_from_writes {
+            i.mtime
+        } else {
+            m.and_then(|m| m.mtime).unwrap_or(if i.kind == Kind::Dir {
                 self.mount_time
             } else {
                 i.mtime
-            },
-            perm: match i.kind {
+            })
+        };
+        Attr {
+            ino: i.ino,
+            kind: i.kind,
+            node,
+            size: i.size,
+            mtime,
+            ctime: m.and_then(|m| m.ctime).unwrap_or(mtime),
+            atime: m.and_then(|m| m.atime).unwrap_or(mtime),
+            perm: m.and_then(|m| m.perm()).unwrap_or(match i.kind {
                 Kind::File => self.cfg.file_mode,
                 Kind::Dir => self.cfg.dir_mode,
-            },
-            uid: self.cfg.uid,
-            gid: self.cfg.gid,
+            }),
+            uid: m.and_then(|m| m.uid).unwrap_or(self.cfg.uid),
+            gid: m.and_then(|m| m.gid).unwrap_or(self.cfg.gid),
             // Also while a file is being written: every write goes through the kernel, which
             // updates the size itself and drops its cached times, so a cached answer cannot go
             // stale; and `stat` right after creating a file costs no round trip to us.
             ttl: self.cfg.metadata_ttl,
         }
+    }
+
+    /// The metadata `stat` honours for `i`: none when the mount ignores stored metadata.
+    fn stored_meta<'a>(&self, i: &'a Inode) -> Option<&'a meta::PosixMeta> {
+        if self.cfg.posix_metadata {
+            i.meta.as_deref()
+        } else {
+            None
+        }
+    }
+
+    /// True when answering for `i` needs a HEAD first: its metadata is not known.
+    fn needs_meta(&self, i: &Inode) -> bool {
+        self.cfg.posix_metadata && meta_update::unknown_meta(i)
     }
 
     fn fresh(&self, i: &Inode) -> bool {

@@ -7,6 +7,17 @@ use futures::StreamExt;
 
 impl S3Fs {
     pub async fn mkdir(&self, parent: u64, name: &str) -> FsResult<Attr> {
+        self.mkdir_as(parent, name, None).await
+    }
+
+    /// mkdir whose marker carries the mode (after the umask) and the creator's ids, when
+    /// stored metadata is honoured.
+    pub async fn mkdir_as(
+        &self,
+        parent: u64,
+        name: &str,
+        mode: Option<(u32, super::meta_update::Creator)>,
+    ) -> FsResult<Attr> {
         self.writable()?;
         check_name(name)?;
         let p = self.dir_inode(parent)?;
@@ -23,11 +34,25 @@ impl S3Fs {
             return Err(FsError::NameTooLong);
         }
         let probed_at = Instant::now();
-        self.client.put_object(&key, Bytes::new()).await?;
+        // As s3fs: the marker's mode has no S_IFDIR (its trailing `/` says it).
+        let m = mode
+            .filter(|_| self.cfg.posix_metadata)
+            .map(|(mode, who)| super::meta_update::new_meta(mode & 0o7777, who));
+        match &m {
+            Some(m) => {
+                self.client
+                    .put_object_with_meta(&key, Bytes::new(), &m.to_headers())
+                    .await?
+            }
+            None => self.client.put_object(&key, Bytes::new()).await?,
+        };
         let mut t = self.inodes();
         let ino = t.upsert(parent, name, Kind::Dir, 0, SystemTime::now(), None);
         t.add_lookup(ino);
         let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
+        if self.cfg.posix_metadata {
+            i.meta = Some(Arc::new(m.unwrap_or_default()));
+        }
         // Nothing existed under it a moment ago: the new directory is known to be empty.
         i.complete_as_of = Some(probed_at);
         Ok(self.attr_of(i))
@@ -187,6 +212,10 @@ impl S3Fs {
         }
         let src_key = format!("{}{}", src_dir.key, name);
         if src_key != dst_key {
+            // The copy takes the object's metadata along: a pending change goes first.
+            if let Err(e) = self.save_meta(src.ino).await {
+                tracing::debug!(key = %src_key, error = %e, "metadata not saved before rename");
+            }
             self.client
                 .copy_object(&src_key, &dst_key, src.size)
                 .await?;
@@ -199,6 +228,8 @@ impl S3Fs {
             // plain one): the next open asks S3 (see `open`), so reads name the version.
             i.validated = Some(Instant::now());
             i.etag = None;
+            // The copy's Last-Modified is new (same ETag): the next listing supplies it.
+            i.meta_stamp = None;
         }
         Ok(())
     }
@@ -310,6 +341,8 @@ impl S3Fs {
         t.rebind(src.ino, new_parent, new_name);
         if let Some(i) = t.get_mut(src.ino) {
             i.validated = Some(Instant::now());
+            // The copy's Last-Modified is new (same ETag): the next listing supplies it.
+            i.meta_stamp = None;
         }
         Ok(())
     }

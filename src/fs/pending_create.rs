@@ -36,6 +36,9 @@ impl S3Fs {
         let Ok(mut guard) = done.clone().try_lock_owned() else {
             return false;
         };
+        // The empty object carries the file's metadata (see `meta_update.rs`).
+        let headers = self.upload_headers(ino);
+        let meta_change = self.inode(ino).map(|i| i.meta_changes).unwrap_or(0);
         {
             let mut t = self.inodes();
             let Some(i) = t.get_mut(ino) else {
@@ -83,7 +86,15 @@ impl S3Fs {
                 }
                 return;
             }
-            let result = deletes.unordered().put_object(&key, Bytes::new()).await;
+            let result = match &headers {
+                Some(h) => {
+                    deletes
+                        .unordered()
+                        .put_object_with_meta(&key, Bytes::new(), h)
+                        .await
+                }
+                None => deletes.unordered().put_object(&key, Bytes::new()).await,
+            };
             drop(slot);
             let mut t = lock(&inodes);
             if let Some(i) = t
@@ -95,6 +106,9 @@ impl S3Fs {
                     Ok(meta) => {
                         i.etag = meta.etag.clone();
                         i.validated = Some(Instant::now());
+                        i.meta_saved = i.meta_saved.max(meta_change);
+                        i.meta_stamp = None;
+                        i.mtime_from_writes = false;
                     }
                     Err(_) => {
                         i.validated = None;

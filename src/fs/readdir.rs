@@ -1,6 +1,7 @@
 //! Directory streams: LIST pages turned into entries, merged with names only this mount
 //! knows yet, buffered so that a full reply buffer loses nothing.
 
+use super::meta::NodeType;
 use super::*;
 
 pub(super) struct DirStream {
@@ -126,13 +127,14 @@ impl S3Fs {
     }
 
     pub(super) async fn fill(&self, d: &mut DirStream) -> FsResult<()> {
-        let push = |d: &mut DirStream, ino: u64, kind: Kind, name: String| {
+        let push = |d: &mut DirStream, ino: u64, kind: Kind, node: NodeType, name: String| {
             let offset = d.next_offset;
             d.next_offset += 1;
             d.buffered.push_back(DirEntry {
                 ino,
                 offset,
                 kind,
+                node,
                 name,
             });
         };
@@ -140,18 +142,18 @@ impl S3Fs {
             d.started = true;
             d.pass_start = Some((Instant::now(), self.inodes().forgotten_names));
             let (ino, parent) = (d.ino, d.parent);
-            push(d, ino, Kind::Dir, ".".into());
-            push(d, parent, Kind::Dir, "..".into());
+            push(d, ino, Kind::Dir, NodeType::Dir, ".".into());
+            push(d, parent, Kind::Dir, NodeType::Dir, "..".into());
             // Files created here and not uploaded yet: S3 cannot list them.
-            let locals: Vec<(u64, Kind, String)> = self
+            let locals: Vec<(u64, Kind, NodeType, String)> = self
                 .inodes()
                 .children_of(ino)
                 .filter(|c| c.local_only)
-                .map(|c| (c.ino, c.kind, c.name.clone()))
+                .map(|c| (c.ino, c.kind, self.attr_of(c).node, c.name.clone()))
                 .collect();
-            for (ino, kind, name) in locals {
+            for (ino, kind, node, name) in locals {
                 d.local_names.insert(name.clone());
-                push(d, ino, kind, name);
+                push(d, ino, kind, node, name);
             }
             return Ok(());
         }
@@ -166,12 +168,28 @@ impl S3Fs {
             .await?;
         let mut entries = page_entries(&d.key, &page, self.mount_time);
         entries.retain(|e| !d.local_names.contains(&e.name));
+        let listed: Vec<(u64, Kind, String)> = {
+            let mut t = self.inodes();
+            entries
+                .into_iter()
+                .map(|e| {
+                    let ino = t.upsert(d.ino, &e.name, e.kind, e.size, e.mtime, e.etag);
+                    (ino, e.kind, e.name)
+                })
+                .filter(|(ino, _, _)| *ino != 0)
+                .collect()
+        };
+        // LIST tells no metadata: HEAD, in parallel, every entry whose metadata is not
+        // known for the version listed (see `Inode::meta_stamp`), so that the stat of
+        // each that `ls -l` and READDIRPLUS make next costs nothing.
+        if self.cfg.posix_metadata {
+            let inos: Vec<u64> = listed.iter().map(|(ino, _, _)| *ino).collect();
+            self.load_meta(&inos).await;
+        }
         let mut t = self.inodes();
-        for e in entries {
-            let ino = t.upsert(d.ino, &e.name, e.kind, e.size, e.mtime, e.etag);
-            if ino != 0 {
-                push(d, ino, e.kind, e.name);
-            }
+        for (ino, kind, name) in listed {
+            let node = t.get(ino).map_or(NodeType::File, |i| self.attr_of(i).node);
+            push(d, ino, kind, node, name);
         }
         d.token = page.next_token;
         d.listed_all = d.token.is_none();

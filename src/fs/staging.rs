@@ -20,7 +20,7 @@
 use super::error::{FsError, FsResult};
 use super::ranges::RangeSet;
 use super::upload::{UploadBudget, MIN_PART};
-use crate::s3::{CompletedPart, ObjectClient, ObjectMeta, S3Error, WriteCondition};
+use crate::s3::{CompletedPart, ObjectClient, ObjectMeta, S3Error, UserMeta, WriteCondition};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use std::fs::File;
@@ -517,9 +517,15 @@ impl StagedFile {
         Ok(unkept)
     }
 
-    /// Makes the local content the object's new version. `Ok(None)`: nothing to commit.
-    /// A version replaced in S3 by another client is `Conflict`: nothing is overwritten.
-    pub async fn commit(&mut self, cfg: &CommitConfig) -> FsResult<Option<ObjectMeta>> {
+    /// Makes the local content the object's new version, carrying `meta` as its user
+    /// metadata (the file's POSIX metadata, see `meta_update.rs`). `Ok(None)`: nothing to
+    /// commit. A version replaced in S3 by another client is `Conflict`: nothing is
+    /// overwritten.
+    pub async fn commit(
+        &mut self,
+        cfg: &CommitConfig,
+        meta: Option<&UserMeta>,
+    ) -> FsResult<Option<ObjectMeta>> {
         if !self.is_dirty() {
             return Ok(None);
         }
@@ -530,14 +536,14 @@ impl StagedFile {
                     self.conditional(cfg, |c, cond| {
                         let body = body.clone();
                         let key = self.key.clone();
-                        async move { c.put_object_if(&key, body, cond.as_ref()).await }
+                        async move { c.put_object_if(&key, body, cond.as_ref(), meta).await }
                     })
                     .await
                 }
                 Err(e) => Err(e),
             }
         } else {
-            self.commit_multipart(cfg, part).await
+            self.commit_multipart(cfg, part, meta).await
         };
         let meta = meta.map_err(|e| match e {
             // The old version is gone: either its copy or reading it back failed.
@@ -579,9 +585,17 @@ impl StagedFile {
         }
     }
 
-    async fn commit_multipart(&mut self, cfg: &CommitConfig, part: u64) -> FsResult<ObjectMeta> {
+    async fn commit_multipart(
+        &mut self,
+        cfg: &CommitConfig,
+        part: u64,
+        meta: Option<&UserMeta>,
+    ) -> FsResult<ObjectMeta> {
         let plan = self.plan(part);
-        let id = cfg.client.create_multipart(&self.key).await?;
+        let id = match meta {
+            Some(m) => cfg.client.create_multipart_with_meta(&self.key, m).await?,
+            None => cfg.client.create_multipart(&self.key).await?,
+        };
         let result = self.send_parts(cfg, &id, plan).await;
         let parts = match result {
             Ok(p) => p,
@@ -779,7 +793,7 @@ mod tests {
             want[at..at + 4].copy_from_slice(b"EDIT");
         }
         let before = mem.bytes_received();
-        f.commit(&cfg(&mem)).await.unwrap().unwrap();
+        f.commit(&cfg(&mem), None).await.unwrap().unwrap();
         assert_eq!(mem.get("big").unwrap().as_ref(), &want[..]);
         let sent = mem.bytes_received() - before;
         assert!(
@@ -805,7 +819,7 @@ mod tests {
         let mut want = pattern(10, 1);
         want.resize(20, 0);
         assert_eq!(got.as_ref(), &want[..]);
-        f.commit(&cfg(&mem)).await.unwrap();
+        f.commit(&cfg(&mem), None).await.unwrap();
         assert_eq!(mem.get("k").unwrap().as_ref(), &want[..]);
     }
 
@@ -819,7 +833,7 @@ mod tests {
             f.write(5, b"mine").unwrap();
             let theirs = pattern(size, 9);
             mem.insert("k", theirs.clone());
-            let r = f.commit(&cfg(&mem)).await;
+            let r = f.commit(&cfg(&mem), None).await;
             assert!(matches!(r, Err(FsError::Conflict)), "{size}: {r:?}");
             assert_eq!(mem.get("k").unwrap().as_ref(), &theirs[..]);
             assert_eq!(mem.open_uploads(), 0);

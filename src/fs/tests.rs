@@ -159,6 +159,10 @@ on_both_stores!(
     existing_objects_are_edited_in_place,
     closes_commit_what_their_owner_wrote_and_later_writes_continue,
     unlinking_a_file_being_written_discards_it,
+    s3fs_metadata_is_shown_and_listings_load_it_in_one_batch,
+    chmod_chown_utimes_persist_in_one_copy_each_file,
+    new_files_directories_symlinks_and_fifos_carry_s3fs_headers,
+    xattrs_round_trip_in_s3fs_encoding,
 );
 
 const ROOT: u64 = inode::ROOT_INO;
@@ -212,7 +216,12 @@ async fn directories_rename_with_everything_under_them(store: Store) {
     assert_eq!(fs.read(fh, 0, 2).await.unwrap().as_ref(), b"yy");
     fs.release(fh).await.unwrap();
     assert_eq!(fs.lookup(ROOT, "b").await.unwrap().ino, a.ino);
-    assert!(matches!(fs.lookup(ROOT, "a").await, Err(FsError::NotFound)));
+    let r = fs.lookup(ROOT, "a").await;
+    assert!(
+        matches!(r, Err(FsError::NotFound)),
+        "{r:?} {:?}",
+        store.keys().await
+    );
     assert_eq!(names(&fs, sub.ino).await, [".", "..", "y"]);
 
     assert!(matches!(
@@ -613,4 +622,258 @@ async fn renaming_an_inode_a_replacement_restored_keeps_it() {
     assert_eq!(fs.lookup(ROOT, "b").await.unwrap().ino, ino);
     assert_eq!(mem.get("b").unwrap().as_ref(), b"content");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+// ---- POSIX metadata (meta.rs, meta_update.rs) ---------------------------------------
+
+fn headers(pairs: &[(&str, &str)]) -> crate::s3::UserMeta {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+impl Store {
+    async fn put_meta(&self, key: &str, body: &str, meta: &[(&str, &str)]) {
+        self.client()
+            .put_object_with_meta(key, Bytes::copy_from_slice(body.as_bytes()), &headers(meta))
+            .await
+            .unwrap();
+    }
+
+    async fn meta(&self, key: &str) -> crate::s3::UserMeta {
+        self.client().head_object_with_meta(key).await.unwrap().1
+    }
+}
+
+async fn all_entries(fs: &S3Fs, ino: u64) -> Vec<DirEntry> {
+    let fh = fs.opendir(ino).await.unwrap();
+    let mut out: Vec<DirEntry> = Vec::new();
+    let mut off = 0;
+    loop {
+        let batch = fs.readdir(fh, off).await.unwrap();
+        let Some(last) = batch.last() else { break };
+        off = last.offset;
+        out.extend(batch);
+    }
+    fs.releasedir(fh);
+    out
+}
+
+async fn s3fs_metadata_is_shown_and_listings_load_it_in_one_batch(store: Store) {
+    use meta::NodeType;
+    // As s3fs 1.90 wrote them (see meta.rs).
+    store
+        .put_meta(
+            "d/f",
+            "hi",
+            &[
+                ("mode", "35305"),
+                ("uid", "1234"),
+                ("gid", "5678"),
+                ("mtime", "1577934245.5"),
+            ],
+        )
+        .await;
+    store.put_meta("d/lnk", "f", &[("mode", "41471")]).await;
+    store.put_meta("d/fifo", "", &[("mode", "4516")]).await;
+    store.put_meta("d/sub/", "", &[("mode", "448")]).await;
+    store
+        .put_meta("d/bad", "x", &[("mode", "rwx"), ("uid", "-3")])
+        .await;
+    store.put("d/plain", "p").await;
+    let fs = fs_with_store(&store, "");
+    let d = fs.lookup(ROOT, "d").await.unwrap();
+    let entries = all_entries(&fs, d.ino).await;
+    let node = |n: &str| entries.iter().find(|e| e.name == n).unwrap().node;
+    assert_eq!(node("lnk"), NodeType::Symlink);
+    assert_eq!(node("fifo"), NodeType::Fifo);
+    assert_eq!(node("sub"), NodeType::Dir);
+    let a = fs.lookup(d.ino, "f").await.unwrap();
+    assert_eq!((a.perm, a.uid, a.gid), (0o4751, 1234, 5678));
+    assert_eq!(
+        a.mtime,
+        std::time::UNIX_EPOCH + Duration::new(1577934245, 500_000_000)
+    );
+    assert_eq!(fs.lookup(d.ino, "sub").await.unwrap().perm, 0o700);
+    let l = fs.lookup(d.ino, "lnk").await.unwrap();
+    assert_eq!(fs.readlink(l.ino).await.unwrap(), b"f");
+    // Malformed headers and objects without any keep the mount's defaults.
+    let cfg = fs.config().clone();
+    for name in ["bad", "plain"] {
+        let a = fs.lookup(d.ino, name).await.unwrap();
+        assert_eq!(
+            (a.perm, a.uid, a.node),
+            (cfg.file_mode, cfg.uid, NodeType::File)
+        );
+    }
+    if let Store::Mem(mem) = &store {
+        // The listing's HEADs answered every lookup above: none asks S3 again.
+        let before = mem.metadata_requests();
+        for n in ["f", "lnk", "fifo", "sub", "bad", "plain"] {
+            fs.lookup(d.ino, n).await.unwrap();
+        }
+        assert_eq!(mem.metadata_requests(), before);
+    }
+}
+
+async fn chmod_chown_utimes_persist_in_one_copy_each_file(store: Store) {
+    use meta_update::SetAttrs;
+    store.put("f", "content").await;
+    let fs = fs_with_store(&store, "");
+    let a = fs.lookup(ROOT, "f").await.unwrap();
+    let t = std::time::UNIX_EPOCH + Duration::new(1_000_000_000, 123);
+    // tar's order: chown, chmod, utimes; each answered at once.
+    for set in [
+        SetAttrs {
+            uid: Some(7),
+            gid: Some(8),
+            ..Default::default()
+        },
+        SetAttrs {
+            mode: Some(0o640),
+            ..Default::default()
+        },
+        SetAttrs {
+            mtime: Some(t),
+            atime: Some(t),
+            ..Default::default()
+        },
+    ] {
+        fs.set_attrs(a.ino, set).await.unwrap();
+    }
+    let shown = fs.getattr(a.ino).await.unwrap();
+    assert_eq!(
+        (shown.perm, shown.uid, shown.gid, shown.mtime),
+        (0o640, 7, 8, t)
+    );
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    if let Store::Mem(mem) = &store {
+        assert_eq!(
+            mem.meta_replacements(),
+            1,
+            "one CopyObject for the three changes"
+        );
+    }
+    let h = store.meta("f").await;
+    assert_eq!(h["mode"], "33184");
+    assert_eq!((h["uid"].as_str(), h["gid"].as_str()), ("7", "8"));
+    assert_eq!(h["mtime"], "1000000000.000000123");
+    assert_eq!(store.get("f").await.unwrap().as_ref(), b"content");
+    // A new mount (a remount) shows them.
+    let again = fs_with_store(&store, "");
+    let b = again.lookup(ROOT, "f").await.unwrap();
+    assert_eq!((b.perm, b.uid, b.gid, b.mtime), (0o640, 7, 8, t));
+    // A file being written takes its metadata with its upload: no copy.
+    let (c, fh) = fs.create(ROOT, "w", W).await.unwrap();
+    fs.init_meta(c.ino, 0o600, meta_update::Creator { uid: 1, gid: 2 });
+    fs.write(fh, 0, b"abc", None).await.unwrap();
+    fs.set_attrs(
+        c.ino,
+        SetAttrs {
+            mode: Some(0o604),
+            mtime: Some(t),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    fs.release(fh).await.unwrap();
+    let h = store.meta("w").await;
+    assert_eq!((h["mode"].as_str(), h["uid"].as_str()), ("33156", "1"));
+    assert_eq!(h["mtime"], "1000000000.000000123");
+    if let Store::Mem(mem) = &store {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(mem.meta_replacements(), 1);
+    }
+}
+
+async fn new_files_directories_symlinks_and_fifos_carry_s3fs_headers(store: Store) {
+    use meta_update::Creator;
+    let who = Creator {
+        uid: 1000,
+        gid: 100,
+    };
+    let fs = fs_with_store(&store, "");
+    let (a, fh) = fs.create(ROOT, "f", W).await.unwrap();
+    fs.init_meta(a.ino, 0o751, who);
+    fs.write(fh, 0, b"x", None).await.unwrap();
+    fs.release(fh).await.unwrap();
+    let d = fs.mkdir_as(ROOT, "d", Some((0o705, who))).await.unwrap();
+    assert_eq!(d.perm, 0o705);
+    let l = fs.symlink(d.ino, "l", "../f", who).await.unwrap();
+    assert_eq!(l.node, meta::NodeType::Symlink);
+    let p = fs
+        .mknod(d.ino, "p", libc::S_IFIFO | 0o644, who)
+        .await
+        .unwrap();
+    assert_eq!(p.node, meta::NodeType::Fifo);
+    fs.flush_all().await;
+    let f = store.meta("f").await;
+    assert_eq!(
+        (f["mode"].as_str(), f["uid"].as_str(), f["gid"].as_str()),
+        ("33257", "1000", "100")
+    );
+    assert!(meta::parse_time(&f["mtime"]).is_some() && f.contains_key("ctime"));
+    assert_eq!(store.meta("d/").await["mode"], "453", "no S_IFDIR, as s3fs");
+    assert_eq!(store.meta("d/l").await["mode"], "41471");
+    assert_eq!(store.get("d/l").await.unwrap().as_ref(), b"../f");
+    assert_eq!(store.meta("d/p").await["mode"], "4516");
+    // Read back by a new mount.
+    let again = fs_with_store(&store, "");
+    let d2 = again.lookup(ROOT, "d").await.unwrap();
+    let l2 = again.lookup(d2.ino, "l").await.unwrap();
+    assert_eq!(again.readlink(l2.ino).await.unwrap(), b"../f");
+    assert!(matches!(
+        fs.symlink(d.ino, "l", "elsewhere", who).await,
+        Err(FsError::Exists)
+    ));
+}
+
+async fn xattrs_round_trip_in_s3fs_encoding(store: Store) {
+    store.put("f", "x").await;
+    let fs = fs_with_store(&store, "");
+    let a = fs.lookup(ROOT, "f").await.unwrap();
+    fs.change_xattr(a.ino, "user.foo", Some(b"bar"), 0)
+        .await
+        .unwrap();
+    fs.change_xattr(a.ino, "user.bin", Some(b"\x00\xff/+= x"), 0)
+        .await
+        .unwrap();
+    assert!(matches!(
+        fs.change_xattr(a.ino, "user.foo", Some(b"again"), libc::XATTR_CREATE)
+            .await,
+        Err(FsError::Exists)
+    ));
+    assert!(matches!(
+        fs.change_xattr(a.ino, "security.selinux", Some(b"x"), 0)
+            .await,
+        Err(FsError::Unsupported(_))
+    ));
+    assert!(matches!(
+        fs.change_xattr(a.ino, "user.big", Some(&[b'x'; 3000]), 0)
+            .await,
+        Err(FsError::XattrTooBig)
+    ));
+    assert_eq!(fs.listxattr(a.ino).await.unwrap(), b"user.bin\0user.foo\0");
+    fs.fsync_meta_for_tests(a.ino).await;
+    assert_eq!(
+        store.meta("f").await["xattr"],
+        "%7B%22user.bin%22%3A%22AP8vKz0geA%3D%3D%22%2C%22user.foo%22%3A%22YmFy%22%7D"
+    );
+    let again = fs_with_store(&store, "");
+    let b = again.lookup(ROOT, "f").await.unwrap();
+    assert_eq!(again.getxattr(b.ino, "user.foo").await.unwrap(), b"bar");
+    again
+        .change_xattr(b.ino, "user.foo", None, 0)
+        .await
+        .unwrap();
+    assert!(matches!(
+        again.getxattr(b.ino, "user.foo").await,
+        Err(FsError::NoAttr)
+    ));
+    assert!(matches!(
+        again.change_xattr(b.ino, "user.foo", None, 0).await,
+        Err(FsError::NoAttr)
+    ));
 }

@@ -69,6 +69,10 @@ pub struct Upload {
     inflight: VecDeque<JoinHandle<Result<CompletedPart, S3Error>>>,
     parts: Vec<CompletedPart>,
     failed: Option<S3Error>,
+    /// User metadata the object gets (see `set_meta`), and what the multipart upload, if
+    /// one was started, was created with.
+    meta: Option<crate::s3::UserMeta>,
+    meta_sent: Option<crate::s3::UserMeta>,
 }
 
 impl Upload {
@@ -92,7 +96,33 @@ impl Upload {
             inflight: VecDeque::new(),
             parts: Vec::new(),
             failed: None,
+            meta: None,
+            meta_sent: None,
         }
+    }
+
+    /// The user metadata the object is to carry. Takes effect for the multipart upload
+    /// only if it has not started yet; see `meta_in_s3`.
+    pub fn set_meta(&mut self, meta: Option<crate::s3::UserMeta>) {
+        self.meta = meta;
+    }
+
+    pub fn has_meta(&self) -> bool {
+        self.meta.is_some()
+    }
+
+    /// After `finish`: the object carries the metadata last set (else it needs a copy).
+    pub fn meta_in_s3(&self) -> bool {
+        self.meta.is_none() || self.meta_sent == self.meta
+    }
+
+    async fn start_multipart(&mut self) -> Result<String, S3Error> {
+        let id = match &self.meta {
+            Some(m) => self.client.create_multipart_with_meta(&self.key, m).await?,
+            None => self.client.create_multipart(&self.key).await?,
+        };
+        self.meta_sent = self.meta.clone();
+        Ok(id)
     }
 
     pub fn key(&self) -> &str {
@@ -153,7 +183,7 @@ impl Upload {
             self.written = size;
             return Ok(());
         }
-        let id = self.client.create_multipart(&self.key).await?;
+        let id = self.start_multipart().await?;
         self.upload_id = Some(id.clone());
         let chunk = size.div_ceil(size.div_ceil(COPY_PART));
         let mut start = 0;
@@ -211,7 +241,7 @@ impl Upload {
 
     async fn send_part(&mut self, body: Bytes) -> Result<(), S3Error> {
         if self.upload_id.is_none() {
-            self.upload_id = Some(self.client.create_multipart(&self.key).await?);
+            self.upload_id = Some(self.start_multipart().await?);
         }
         while self.inflight.len() >= self.max_inflight {
             self.reap_one().await?;
@@ -257,7 +287,11 @@ impl Upload {
         }
         let Some(id) = self.upload_id.clone() else {
             let body = std::mem::take(&mut self.buf).freeze();
-            return self.client.put_object(&self.key, body).await;
+            self.meta_sent = self.meta.clone();
+            return match &self.meta {
+                Some(m) => self.client.put_object_with_meta(&self.key, body, m).await,
+                None => self.client.put_object(&self.key, body).await,
+            };
         };
         if !self.buf.is_empty() {
             let rest = std::mem::take(&mut self.buf).freeze();

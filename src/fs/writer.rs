@@ -126,6 +126,7 @@ impl S3Fs {
             if let Some(i) = self.inodes().get_mut(ino) {
                 i.size = size;
                 i.mtime = SystemTime::now();
+                i.mtime_from_writes = i.meta.is_some();
             }
             f.writers.note(owner);
             return Ok(n);
@@ -135,6 +136,7 @@ impl S3Fs {
                 let base = self.inode(ino)?;
                 self.start_writing(ino, fh, base.size)?;
                 let mut up = self.new_upload(f.key.clone());
+                up.set_meta(self.upload_headers(ino));
                 if let Err(e) = self.continue_upload(&mut up, &base).await {
                     self.stop_writing(ino, fh);
                     return Err(e);
@@ -151,6 +153,9 @@ impl S3Fs {
         }
         match &mut f.state {
             FileState::Write(up) => {
+                if !up.has_meta() {
+                    up.set_meta(self.upload_headers(ino));
+                }
                 let n = up.write(offset, data).await.inspect_err(|e| {
                     tracing::warn!(key = %up.key(), offset, error = %e, "write refused");
                 })?;
@@ -158,6 +163,7 @@ impl S3Fs {
                 if let Some(i) = self.inodes().get_mut(ino) {
                     i.size = written;
                     i.mtime = SystemTime::now();
+                    i.mtime_from_writes = i.meta.is_some();
                 }
                 f.writers.note(owner);
                 Ok(n)
@@ -246,8 +252,12 @@ impl S3Fs {
         let FileState::Write(up) = &mut f.state else {
             return Ok(());
         };
-        let result = up.finish().await;
         let ino = f.ino;
+        // The metadata as it is now goes with the upload (see `meta_update.rs`).
+        let meta_change = self.inode(ino).map(|i| i.meta_changes).unwrap_or(0);
+        up.set_meta(self.upload_headers(ino));
+        let result = up.finish().await;
+        let meta_in_s3 = up.meta_in_s3();
         f.state = if result.is_ok() {
             FileState::Committed
         } else {
@@ -267,6 +277,11 @@ impl S3Fs {
                     i.etag = meta.etag.clone();
                     i.validated = Some(Instant::now());
                     i.local_only = false;
+                    i.meta_stamp = None;
+                    i.mtime_from_writes = false;
+                    if meta_in_s3 {
+                        i.meta_saved = i.meta_saved.max(meta_change);
+                    }
                 }
                 Err(_) => {
                     // What S3 holds now is unknown to us: ask again next time.
@@ -279,7 +294,12 @@ impl S3Fs {
                 }
             }
         }
+        let resave = t.get(ino).is_some_and(|i| i.meta_changes != i.meta_saved);
         drop(t);
+        if result.is_ok() && resave {
+            // A multipart upload started with older metadata, or a change came meanwhile.
+            self.schedule_save(ino);
+        }
         if let Err(e) = &result {
             tracing::error!(key = %f.key, error = %e, "upload failed; the application gets EIO");
         } else if unlinked {
@@ -300,7 +320,8 @@ impl S3Fs {
             return self.commit_staged(f.ino, &s).await;
         }
         self.commit(&mut f, fh, false).await?;
-        self.await_pending(f.ino).await
+        self.await_pending(f.ino).await?;
+        self.save_meta(f.ino).await
     }
 
     /// Completes every open upload and every empty file's PUT (see `defer_empty`); used
@@ -344,10 +365,11 @@ impl S3Fs {
                 }
             }
         }
+        failed += self.save_all_meta().await;
         failed + self.deletes.drain().await
     }
 
-    /// chmod/chown/utimes are accepted and ignored (S3 keeps no such metadata here).
+    /// The size part of setattr (modes, owners and times: `meta_update.rs`).
     /// Truncation to any size works: to 0 of a file nobody writes is one empty PUT, of a
     /// stream that sent nothing yet a reset; anything else stages the file (see
     /// `edit.rs`). A truncate by path with no handle (`truncate -s`) commits at once; one
@@ -384,7 +406,14 @@ impl S3Fs {
                 return Ok(current);
             }
             if size == 0 {
-                let meta = self.client.put_object(&i.key, Bytes::new()).await?;
+                let meta = match self.upload_headers(ino) {
+                    Some(h) => {
+                        self.client
+                            .put_object_with_meta(&i.key, Bytes::new(), &h)
+                            .await?
+                    }
+                    None => self.client.put_object(&i.key, Bytes::new()).await?,
+                };
                 let mut t = self.inodes();
                 let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
                 i.size = 0;

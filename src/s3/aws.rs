@@ -357,6 +357,18 @@ fn to_meta(
 }
 
 /// `bucket/key` for x-amz-copy-source, percent-encoded except for `/`.
+/// The SDK's view of user metadata (it adds and strips the `x-amz-meta-` prefix itself).
+fn user_meta(m: Option<&std::collections::HashMap<String, String>>) -> UserMeta {
+    m.into_iter()
+        .flatten()
+        .map(|(k, v)| (k.to_ascii_lowercase(), v.clone()))
+        .collect()
+}
+
+fn sdk_meta(m: &UserMeta) -> Option<std::collections::HashMap<String, String>> {
+    (!m.is_empty()).then(|| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+}
+
 fn copy_source(bucket: &str, key: &str) -> String {
     let mut out = String::with_capacity(bucket.len() + key.len() + 1);
     out.push_str(bucket);
@@ -510,6 +522,7 @@ impl ObjectClient for AwsClient {
         key: &str,
         body: Bytes,
         cond: Option<&WriteCondition>,
+        meta: Option<&UserMeta>,
     ) -> S3Result<ObjectMeta> {
         let size = body.len() as u64;
         let (if_match, if_none_match) = condition_headers(cond);
@@ -520,6 +533,7 @@ impl ObjectClient for AwsClient {
             .key(key)
             .set_if_match(if_match)
             .set_if_none_match(if_none_match)
+            .set_metadata(meta.and_then(sdk_meta))
             .body(ByteStream::from(body))
             .send()
             .await
@@ -700,6 +714,67 @@ impl ObjectClient for AwsClient {
             return Err(e);
         }
         Ok(())
+    }
+
+    async fn head_object_with_meta(&self, key: &str) -> S3Result<(ObjectMeta, UserMeta)> {
+        let out = self
+            .client
+            .head_object()
+            .bucket(&self.bucket)
+            .key(key)
+            .send()
+            .await
+            .map_err(map_err)?;
+        let meta = to_meta(out.content_length(), out.last_modified(), out.e_tag());
+        Ok((meta, user_meta(out.metadata())))
+    }
+
+    async fn create_multipart_with_meta(&self, key: &str, meta: &UserMeta) -> S3Result<String> {
+        let out = self
+            .client
+            .create_multipart_upload()
+            .bucket(&self.bucket)
+            .key(key)
+            .set_metadata(sdk_meta(meta))
+            .send()
+            .await
+            .map_err(map_err)?;
+        out.upload_id()
+            .map(str::to_string)
+            .ok_or_else(|| S3Error::Other("CreateMultipartUpload returned no upload id".into()))
+    }
+
+    async fn replace_metadata(
+        &self,
+        key: &str,
+        etag: &str,
+        size: u64,
+        meta: &UserMeta,
+    ) -> S3Result<ObjectMeta> {
+        if size <= MAX_SINGLE_COPY {
+            let out = self
+                .client
+                .copy_object()
+                .bucket(&self.bucket)
+                .key(key)
+                .copy_source(copy_source(&self.bucket, key))
+                .copy_source_if_match(etag)
+                .metadata_directive(aws_sdk_s3::types::MetadataDirective::Replace)
+                .set_metadata(sdk_meta(meta))
+                .send()
+                .await
+                .map_err(map_err)?;
+            let r = out.copy_object_result();
+            return Ok(ObjectMeta {
+                size,
+                mtime: r
+                    .and_then(|r| r.last_modified())
+                    .and_then(|t| SystemTime::try_from(*t).ok())
+                    .unwrap_or_else(SystemTime::now),
+                etag: r.and_then(|r| r.e_tag()).map(str::to_string),
+            });
+        }
+        super::replace_metadata_by_parts(self, key, etag, size, meta).await
     }
 
     async fn upload_part_copy(

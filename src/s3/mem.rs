@@ -14,6 +14,12 @@ pub struct MemClient {
     metadata_requests: std::sync::atomic::AtomicU64,
     /// Body bytes received by PutObject and UploadPart (not copies made on the server).
     bytes_received: std::sync::atomic::AtomicU64,
+    /// User metadata by key (kept apart so the object map stays as it is), and the
+    /// metadata multipart uploads will give their objects.
+    user_meta: Mutex<HashMap<String, UserMeta>>,
+    upload_meta: Mutex<HashMap<String, UserMeta>>,
+    /// Times a metadata replacement was asked for (tests check coalescing with it).
+    meta_replacements: std::sync::atomic::AtomicU64,
 }
 
 impl MemClient {
@@ -31,6 +37,31 @@ impl MemClient {
     }
     pub fn keys(&self) -> Vec<String> {
         self.objects.lock().unwrap().keys().cloned().collect()
+    }
+    /// The user metadata `key` carries.
+    pub fn user_meta(&self, key: &str) -> UserMeta {
+        self.user_meta
+            .lock()
+            .unwrap()
+            .get(key)
+            .cloned()
+            .unwrap_or_default()
+    }
+    /// Stores an object with user metadata, as another client (s3fs) would.
+    pub fn insert_with_meta(&self, key: &str, body: impl Into<Bytes>, meta: UserMeta) {
+        self.insert(key, body);
+        self.user_meta.lock().unwrap().insert(key.to_string(), meta);
+    }
+    pub fn meta_replacements(&self) -> u64 {
+        self.meta_replacements
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+    fn set_user_meta(&self, key: &str, meta: Option<UserMeta>) {
+        let mut m = self.user_meta.lock().unwrap();
+        match meta.filter(|m| !m.is_empty()) {
+            Some(meta) => m.insert(key.to_string(), meta),
+            None => m.remove(key),
+        };
     }
     pub fn metadata_requests(&self) -> u64 {
         self.metadata_requests
@@ -168,10 +199,13 @@ impl ObjectClient for MemClient {
         key: &str,
         body: Bytes,
         cond: Option<&WriteCondition>,
+        meta: Option<&UserMeta>,
     ) -> S3Result<ObjectMeta> {
         self.bytes_received
             .fetch_add(body.len() as u64, std::sync::atomic::Ordering::SeqCst);
-        self.store_if(key, body, cond)
+        let done = self.store_if(key, body, cond)?;
+        self.set_user_meta(key, meta.cloned());
+        Ok(done)
     }
 
     async fn create_multipart(&self, key: &str) -> S3Result<String> {
@@ -220,7 +254,10 @@ impl ObjectClient for MemClient {
         for p in parts {
             body.extend_from_slice(stored.get(&p.part_number).ok_or(S3Error::NotFound)?);
         }
-        self.store_if(key, body.into(), cond)
+        let meta = self.upload_meta.lock().unwrap().remove(upload_id);
+        let done = self.store_if(key, body.into(), cond)?;
+        self.set_user_meta(key, meta);
+        Ok(done)
     }
 
     async fn abort_multipart(&self, _key: &str, upload_id: &str) -> S3Result<()> {
@@ -254,11 +291,51 @@ impl ObjectClient for MemClient {
 
     async fn copy_object(&self, src: &str, dst: &str, _size: u64) -> S3Result<()> {
         let body = self.get(src).ok_or(S3Error::NotFound)?;
-        self.put_object(dst, body).await.map(|_| ())
+        // CopyObject keeps the source's metadata (MetadataDirective=COPY).
+        let meta = self.user_meta(src);
+        self.put_object(dst, body).await?;
+        self.set_user_meta(dst, Some(meta));
+        Ok(())
     }
 
     async fn delete_object(&self, key: &str) -> S3Result<()> {
         self.objects.lock().unwrap().remove(key);
+        self.set_user_meta(key, None);
         Ok(())
+    }
+
+    async fn head_object_with_meta(&self, key: &str) -> S3Result<(ObjectMeta, UserMeta)> {
+        let meta = self.head_object(key).await?;
+        Ok((meta, self.user_meta(key)))
+    }
+
+    async fn create_multipart_with_meta(&self, key: &str, meta: &UserMeta) -> S3Result<String> {
+        let id = self.create_multipart(key).await?;
+        self.upload_meta
+            .lock()
+            .unwrap()
+            .insert(id.clone(), meta.clone());
+        Ok(id)
+    }
+
+    async fn replace_metadata(
+        &self,
+        key: &str,
+        etag: &str,
+        _size: u64,
+        meta: &UserMeta,
+    ) -> S3Result<ObjectMeta> {
+        self.meta_replacements
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.check_version(key, etag)?;
+        // A copy onto itself: same bytes and ETag, a new Last-Modified.
+        let now = SystemTime::now();
+        let mut objs = self.objects.lock().unwrap();
+        let entry = objs.get_mut(key).ok_or(S3Error::NotFound)?;
+        entry.1 = now;
+        let out = Self::meta(&entry.0, now);
+        drop(objs);
+        self.set_user_meta(key, Some(meta.clone()));
+        Ok(out)
     }
 }

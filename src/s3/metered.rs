@@ -5,7 +5,7 @@
 //! on the wire, counted as one).
 
 use super::{
-    CompletedPart, ListPage, ListRequest, ObjectClient, ObjectMeta, S3Error, S3Result,
+    CompletedPart, ListPage, ListRequest, ObjectClient, ObjectMeta, S3Error, S3Result, UserMeta,
     WriteCondition,
 };
 use async_trait::async_trait;
@@ -196,10 +196,11 @@ impl ObjectClient for MeteredClient {
         key: &str,
         body: Bytes,
         cond: Option<&WriteCondition>,
+        meta: Option<&UserMeta>,
     ) -> S3Result<ObjectMeta> {
         let len = body.len();
         let result = self
-            .timed("PutObject", self.inner.put_object_if(key, body, cond))
+            .timed("PutObject", self.inner.put_object_if(key, body, cond, meta))
             .await;
         self.written(result, len)
     }
@@ -275,6 +276,33 @@ impl ObjectClient for MeteredClient {
     async fn delete_object(&self, key: &str) -> S3Result<()> {
         self.timed("DeleteObject", self.inner.delete_object(key))
             .await
+    }
+
+    async fn head_object_with_meta(&self, key: &str) -> S3Result<(ObjectMeta, UserMeta)> {
+        self.timed("HeadObject", self.inner.head_object_with_meta(key))
+            .await
+    }
+
+    async fn create_multipart_with_meta(&self, key: &str, meta: &UserMeta) -> S3Result<String> {
+        self.timed(
+            "CreateMultipartUpload",
+            self.inner.create_multipart_with_meta(key, meta),
+        )
+        .await
+    }
+
+    async fn replace_metadata(
+        &self,
+        key: &str,
+        etag: &str,
+        size: u64,
+        meta: &UserMeta,
+    ) -> S3Result<ObjectMeta> {
+        self.timed(
+            "CopyObject",
+            self.inner.replace_metadata(key, etag, size, meta),
+        )
+        .await
     }
 
     async fn delete_objects(&self, keys: Vec<String>) -> S3Result<usize> {

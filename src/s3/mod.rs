@@ -52,6 +52,10 @@ impl S3Error {
 
 pub type S3Result<T> = Result<T, S3Error>;
 
+/// An object's user metadata: its `x-amz-meta-*` headers, names lower-case and without
+/// that prefix (`mode`, `uid`, ... as s3fs writes them, see `fs::meta`).
+pub type UserMeta = std::collections::BTreeMap<String, String>;
+
 /// Metadata of one object, from HeadObject or a listing.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ObjectMeta {
@@ -115,14 +119,16 @@ pub trait ObjectClient: Send + Sync + 'static {
         end: u64,
     ) -> S3Result<Bytes>;
     async fn put_object(&self, key: &str, body: Bytes) -> S3Result<ObjectMeta> {
-        self.put_object_if(key, body, None).await
+        self.put_object_if(key, body, None, None).await
     }
-    /// PutObject, refused (`PreconditionFailed`) unless `cond` holds.
+    /// PutObject, refused (`PreconditionFailed`) unless `cond` holds, carrying `meta` as
+    /// the object's user metadata when given. A client without metadata support drops it.
     async fn put_object_if(
         &self,
         key: &str,
         body: Bytes,
         cond: Option<&WriteCondition>,
+        meta: Option<&UserMeta>,
     ) -> S3Result<ObjectMeta>;
     async fn create_multipart(&self, key: &str) -> S3Result<String>;
     async fn upload_part(
@@ -167,6 +173,43 @@ pub trait ObjectClient: Send + Sync + 'static {
     /// Copy `src` onto `dst` within the bucket; `size` picks single or multipart copy.
     async fn copy_object(&self, src: &str, dst: &str, size: u64) -> S3Result<()>;
     async fn delete_object(&self, key: &str) -> S3Result<()>;
+
+    // ---- user metadata. The defaults drop it, so that a client without metadata
+    // support still works (and stored metadata is then simply not honoured).
+
+    /// HeadObject with the object's user metadata.
+    async fn head_object_with_meta(&self, key: &str) -> S3Result<(ObjectMeta, UserMeta)> {
+        Ok((self.head_object(key).await?, UserMeta::new()))
+    }
+    /// PutObject carrying `meta` as the object's user metadata.
+    async fn put_object_with_meta(
+        &self,
+        key: &str,
+        body: Bytes,
+        meta: &UserMeta,
+    ) -> S3Result<ObjectMeta> {
+        self.put_object_if(key, body, None, Some(meta)).await
+    }
+    /// CreateMultipartUpload whose object will carry `meta`.
+    async fn create_multipart_with_meta(&self, key: &str, meta: &UserMeta) -> S3Result<String> {
+        let _ = meta;
+        self.create_multipart(key).await
+    }
+    /// Replaces the user metadata of the version `etag` (`size` bytes) of `key`: a copy
+    /// onto itself with `MetadataDirective=REPLACE` and `x-amz-copy-source-if-match`, part
+    /// by part above 5 GiB. `PreconditionFailed` once the key holds another version, so a
+    /// metadata update never resurrects data another client replaced.
+    async fn replace_metadata(
+        &self,
+        key: &str,
+        etag: &str,
+        size: u64,
+        meta: &UserMeta,
+    ) -> S3Result<ObjectMeta> {
+        let _ = (key, etag, size, meta);
+        Err(S3Error::Other("this client cannot replace metadata".into()))
+    }
+
     /// Deletes many keys; returns how many were deleted.
     async fn delete_objects(&self, keys: Vec<String>) -> S3Result<usize> {
         let n = keys.len();
@@ -174,5 +217,42 @@ pub trait ObjectClient: Send + Sync + 'static {
             self.delete_object(&k).await?;
         }
         Ok(n)
+    }
+}
+
+/// `replace_metadata` above 5 GiB, where S3 refuses CopyObject: a multipart upload onto
+/// the key carrying `meta`, its parts copied on the server from that exact version.
+pub async fn replace_metadata_by_parts<C: ObjectClient + ?Sized>(
+    client: &C,
+    key: &str,
+    etag: &str,
+    size: u64,
+    meta: &UserMeta,
+) -> S3Result<ObjectMeta> {
+    const COPY_PART: u64 = 512 * 1024 * 1024;
+    let upload_id = client.create_multipart_with_meta(key, meta).await?;
+    let mut parts = Vec::new();
+    let (mut start, mut number) = (0, 1);
+    while start < size {
+        let end = (start + COPY_PART).min(size);
+        match client
+            .upload_part_copy(key, &upload_id, number, key, Some(etag), start, end)
+            .await
+        {
+            Ok(part) => parts.push(part),
+            Err(e) => {
+                let _ = client.abort_multipart(key, &upload_id).await;
+                return Err(e);
+            }
+        }
+        start = end;
+        number += 1;
+    }
+    match client.complete_multipart(key, &upload_id, parts).await {
+        Ok(m) => Ok(m),
+        Err(e) => {
+            let _ = client.abort_multipart(key, &upload_id).await;
+            Err(e)
+        }
     }
 }

@@ -6,6 +6,7 @@ use super::store::{ListQuery, ListResult, ObjectInfo, Store, StoreError, WriteIf
 use futures::StreamExt;
 use s3s::dto::*;
 use s3s::{s3_error, S3Error, S3Request, S3Response, S3Result};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -40,6 +41,24 @@ fn s3_err(e: StoreError) -> S3Error {
 
 fn etag(info: &ObjectInfo) -> ETag {
     ETag::Strong(info.etag.clone())
+}
+
+/// `x-amz-meta-*` as s3s hands them over (names without the prefix), kept lower-case as
+/// S3 does.
+fn user_meta_in(m: Option<std::collections::HashMap<String, String>>) -> BTreeMap<String, String> {
+    m.into_iter()
+        .flatten()
+        .map(|(k, v)| (k.to_ascii_lowercase(), v))
+        .collect()
+}
+
+fn user_meta_out(info: &ObjectInfo) -> Option<std::collections::HashMap<String, String>> {
+    (!info.user_meta.is_empty()).then(|| {
+        info.user_meta
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    })
 }
 
 fn ts(t: SystemTime) -> Timestamp {
@@ -327,6 +346,7 @@ impl s3s::S3 for Backend {
             e_tag: Some(etag(&info)),
             last_modified: Some(ts(info.mtime)),
             accept_ranges: Some("bytes".into()),
+            metadata: user_meta_out(&info),
             ..Default::default()
         }))
     }
@@ -375,6 +395,7 @@ impl s3s::S3 for Backend {
                 &input.key,
                 body_stream(input.body),
                 input.content_type,
+                user_meta_in(input.metadata),
                 cond.as_ref(),
             )
             .await
@@ -467,6 +488,7 @@ impl s3s::S3 for Backend {
                 &input.bucket,
                 &input.key,
                 replace.then_some(input.content_type),
+                user_meta_in(input.metadata),
             )
             .await
             .map_err(s3_err)?;
@@ -571,7 +593,12 @@ impl s3s::S3 for Backend {
         let input = req.input;
         let upload_id = self
             .store
-            .create_upload(&input.bucket, &input.key, input.content_type)
+            .create_upload(
+                &input.bucket,
+                &input.key,
+                input.content_type,
+                user_meta_in(input.metadata),
+            )
             .map_err(s3_err)?;
         Ok(S3Response::new(CreateMultipartUploadOutput {
             bucket: Some(input.bucket),

@@ -84,6 +84,8 @@ pub struct ObjectInfo {
     pub etag: String,
     pub mtime: SystemTime,
     pub content_type: Option<String>,
+    /// `x-amz-meta-*` headers, names lower-case without the prefix.
+    pub user_meta: BTreeMap<String, String>,
     id: u64,
 }
 
@@ -144,6 +146,7 @@ struct Upload {
     bucket: String,
     key: String,
     content_type: Option<String>,
+    user_meta: BTreeMap<String, String>,
     initiated: SystemTime,
     parts: BTreeMap<i32, Part>,
 }
@@ -279,6 +282,13 @@ fn meta_text(key: &str, info: &ObjectInfo) -> String {
     if let Some(ct) = &info.content_type {
         s.push_str(&format!("content-type={}\n", hex(ct.as_bytes())));
     }
+    for (k, v) in &info.user_meta {
+        s.push_str(&format!(
+            "meta-{}={}\n",
+            hex(k.as_bytes()),
+            hex(v.as_bytes())
+        ));
+    }
     s
 }
 
@@ -288,6 +298,7 @@ fn parse_meta(text: &str, id: u64) -> Option<(String, ObjectInfo)> {
     let mut etag = None;
     let mut mtime = None;
     let mut content_type = None;
+    let mut user_meta = BTreeMap::new();
     for line in text.lines() {
         let (k, v) = line.split_once('=')?;
         match k {
@@ -296,7 +307,14 @@ fn parse_meta(text: &str, id: u64) -> Option<(String, ObjectInfo)> {
             "etag" => etag = Some(v.to_string()),
             "mtime" => mtime = Some(system_time_from(v)?),
             "content-type" => content_type = Some(String::from_utf8(unhex(v)?).ok()?),
-            _ => {}
+            _ => {
+                if let Some(name) = k.strip_prefix("meta-") {
+                    user_meta.insert(
+                        String::from_utf8(unhex(name)?).ok()?,
+                        String::from_utf8(unhex(v)?).ok()?,
+                    );
+                }
+            }
         }
     }
     Some((
@@ -306,6 +324,7 @@ fn parse_meta(text: &str, id: u64) -> Option<(String, ObjectInfo)> {
             etag: etag?,
             mtime: mtime?,
             content_type,
+            user_meta,
             id,
         },
     ))
@@ -601,6 +620,7 @@ impl Store {
         key: &str,
         body: S,
         content_type: Option<String>,
+        user_meta: BTreeMap<String, String>,
         cond: Option<&WriteIf>,
     ) -> Result<ObjectInfo>
     where
@@ -624,6 +644,7 @@ impl Store {
                 etag: hex(&md5),
                 mtime: SystemTime::now(),
                 content_type,
+                user_meta,
                 id,
             },
             cond,
@@ -647,7 +668,8 @@ impl Store {
         Ok(())
     }
 
-    /// CopyObject. `content_type` is `Some(..)` to replace the source's.
+    /// CopyObject. `content_type` is `Some(..)` to replace the source's metadata (content
+    /// type and `user_meta`, as MetadataDirective=REPLACE does).
     pub async fn copy(
         &self,
         src_bucket: &str,
@@ -655,6 +677,7 @@ impl Store {
         bucket: &str,
         key: &str,
         content_type: Option<Option<String>>,
+        user_meta: BTreeMap<String, String>,
     ) -> Result<ObjectInfo> {
         if src_bucket == bucket && src_key == key && content_type.is_none() {
             return Err(StoreError::InvalidRequest(
@@ -693,6 +716,11 @@ impl Store {
                 size,
                 etag: src.etag,
                 mtime: SystemTime::now(),
+                user_meta: if content_type.is_some() {
+                    user_meta
+                } else {
+                    src.user_meta
+                },
                 content_type: content_type.unwrap_or(src.content_type),
                 id,
             },
@@ -708,6 +736,7 @@ impl Store {
         bucket: &str,
         key: &str,
         content_type: Option<String>,
+        user_meta: BTreeMap<String, String>,
     ) -> Result<String> {
         let mut state = self.lock();
         if !state.buckets.contains_key(bucket) {
@@ -725,6 +754,7 @@ impl Store {
                 bucket: bucket.to_string(),
                 key: key.to_string(),
                 content_type,
+                user_meta,
                 initiated: SystemTime::now(),
                 parts: BTreeMap::new(),
             },
@@ -944,6 +974,7 @@ impl Store {
                 etag: format!("{}-{}", hex(&Md5::checksum(&md5s)), parts.len()),
                 mtime: SystemTime::now(),
                 content_type: upload.content_type,
+                user_meta: upload.user_meta,
                 id,
             },
             cond,
@@ -1087,6 +1118,7 @@ mod tests {
                         etag: String::new(),
                         mtime: UNIX_EPOCH,
                         content_type: None,
+                        user_meta: BTreeMap::new(),
                         id: i as u64,
                     },
                 )
@@ -1206,6 +1238,7 @@ mod tests {
             etag: "abc-2".into(),
             mtime: UNIX_EPOCH + Duration::new(5, 7),
             content_type: Some("text/plain".into()),
+            user_meta: BTreeMap::from([("mode".into(), "33188".into())]),
             id: 9,
         };
         let text = meta_text("dir/ with\nnewline/", &info);

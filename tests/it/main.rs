@@ -17,6 +17,7 @@ mod empty_create;
 mod faults;
 mod fsx;
 mod handoff;
+mod metadata;
 mod metrics;
 mod mount;
 mod parse_props;

@@ -1,0 +1,566 @@
+//! POSIX metadata in the inode table and in S3 (encodings in `meta.rs`): loading it
+//! (one HEAD per object a listing showed, many in parallel), chmod/chown/utimes and
+//! xattrs, symlinks and special files.
+//!
+//! Saving a change: the inode's metadata changes at once (the reply shows it) and a save
+//! is scheduled `SAVE_DELAY` later, a CopyObject of the object onto itself with the new
+//! headers (`ObjectClient::replace_metadata`, conditional on the ETag). Changes that
+//! arrive meanwhile (tar's and rsync's chown + chmod + utimes of one file, one after the
+//! other) ride along in that one copy. A file being written takes its metadata with its
+//! upload instead (`writer.rs`), and so does a new file. fsync, rename and unmount save
+//! what is pending first. A save that finds another version in S3 (another client
+//! replaced the object) drops our change: theirs is newer.
+
+use super::meta::{NodeType, PosixMeta, S_IFLNK, S_IFMT, S_IFREG};
+use super::*;
+use crate::s3::UserMeta;
+use futures::StreamExt;
+
+/// How long a metadata change waits for others to share its CopyObject.
+const SAVE_DELAY: Duration = Duration::from_millis(100);
+/// HEADs in flight at once when a listing's metadata is loaded.
+const HEADS_IN_FLIGHT: usize = 64;
+/// Longest symlink target (Linux's PATH_MAX).
+const MAX_LINK: usize = 4096;
+
+/// Takes the metadata S3 returned for `i`, unless a change made here is not saved yet.
+pub(super) fn set_meta_from(i: &mut Inode, h: &UserMeta, stamp: SystemTime) {
+    if i.meta_changes != i.meta_saved {
+        return;
+    }
+    i.meta = Some(Arc::new(PosixMeta::from_headers(h, &i.key)));
+    i.meta_stamp = Some(stamp);
+    i.link_target = None;
+}
+
+/// True when `i`'s metadata is unknown and S3 can tell it (see `S3Fs::needs_meta`).
+pub(super) fn unknown_meta(i: &Inode) -> bool {
+    i.meta.is_none() && !i.being_written() && !i.local_only && i.ino != inode::ROOT_INO
+}
+
+/// HEADs `todo` (inode, key, kind), `HEADS_IN_FLIGHT` at once, and stores what each
+/// says. Failures leave the metadata unknown (the defaults show, the next access asks).
+pub(super) async fn head_batch(
+    client: &Arc<dyn ObjectClient>,
+    inodes: &Mutex<InodeTable>,
+    todo: Vec<(u64, String, Kind)>,
+    mount_time: SystemTime,
+) {
+    if todo.is_empty() {
+        return;
+    }
+    let mut heads = futures::stream::iter(todo)
+        .map(
+            |(ino, key, kind)| async move { (ino, kind, client.head_object_with_meta(&key).await) },
+        )
+        .buffer_unordered(HEADS_IN_FLIGHT);
+    while let Some((ino, kind, res)) = heads.next().await {
+        let mut t = lock(inodes);
+        let Some(i) = t.get_mut(ino) else {
+            continue;
+        };
+        if i.being_written() || i.local_only {
+            continue;
+        }
+        match res {
+            Ok((m, h)) => {
+                if kind == Kind::File {
+                    i.size = m.size;
+                    i.etag = m.etag;
+                    i.mtime = m.mtime;
+                }
+                set_meta_from(i, &h, m.mtime);
+            }
+            // An implicit directory: no marker, no metadata.
+            Err(S3Error::NotFound) if kind == Kind::Dir => {
+                set_meta_from(i, &UserMeta::new(), mount_time)
+            }
+            // Deleted since the listing: the next lookup asks S3 again.
+            Err(S3Error::NotFound) => i.validated = None,
+            Err(e) => tracing::debug!(key = %i.key, error = %e, "could not load metadata"),
+        }
+    }
+}
+
+/// What a setattr asks to change besides the size.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SetAttrs {
+    pub mode: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub atime: Option<SystemTime>,
+    pub mtime: Option<SystemTime>,
+}
+
+impl SetAttrs {
+    pub fn is_empty(&self) -> bool {
+        self.mode.is_none()
+            && self.uid.is_none()
+            && self.gid.is_none()
+            && self.atime.is_none()
+            && self.mtime.is_none()
+    }
+}
+
+/// Who creates a file, for its stored owner.
+#[derive(Debug, Clone, Copy)]
+pub struct Creator {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+pub(super) fn new_meta(mode: u32, who: Creator) -> PosixMeta {
+    let now = SystemTime::now();
+    PosixMeta {
+        mode: Some(mode),
+        uid: Some(who.uid),
+        gid: Some(who.gid),
+        mtime: Some(now),
+        ctime: Some(now),
+        atime: Some(now),
+        ..Default::default()
+    }
+}
+
+impl S3Fs {
+    /// Loads the metadata of those of `inos` whose metadata is unknown: a HEAD each (of
+    /// the marker for a directory), `HEADS_IN_FLIGHT` at once. Failures leave it unknown
+    /// (the defaults show, the next access asks again).
+    pub(super) async fn load_meta(&self, inos: &[u64]) {
+        let todo: Vec<(u64, String, Kind)> = {
+            let t = self.inodes();
+            inos.iter()
+                .filter_map(|ino| t.get(*ino))
+                .filter(|i| self.needs_meta(i))
+                .map(|i| (i.ino, i.key.clone(), i.kind))
+                .collect()
+        };
+        head_batch(&self.client, &self.inodes, todo, self.mount_time).await;
+        // What the batch changed is not in the inode log (no bindings change): no flush.
+    }
+
+    /// The headers the next upload of `ino` carries, if stored metadata is honoured. A
+    /// file written since it was last saved gets the time of its last write as mtime.
+    pub(super) fn upload_headers(&self, ino: u64) -> Option<UserMeta> {
+        if !self.cfg.posix_metadata {
+            return None;
+        }
+        let mut t = self.inodes();
+        let i = t.get_mut(ino)?;
+        let written_at = i.mtime;
+        let m = i.meta.as_mut()?;
+        if i.mtime_from_writes {
+            let m = Arc::make_mut(m);
+            m.mtime = Some(written_at);
+            m.ctime = Some(written_at);
+        }
+        Some(m.to_headers())
+    }
+
+    /// A new file's metadata: its mode (after the umask) and the creator's ids, saved by
+    /// its upload.
+    pub fn init_meta(&self, ino: u64, mode: u32, who: Creator) {
+        if !self.cfg.posix_metadata {
+            return;
+        }
+        let mut t = self.inodes();
+        if let Some(i) = t.get_mut(ino) {
+            i.meta = Some(Arc::new(new_meta(S_IFREG | (mode & 0o7777), who)));
+            i.meta_stamp = None;
+        }
+    }
+
+    /// chmod, chown, utimensat (`setattr` without a size).
+    pub async fn set_attrs(&self, ino: u64, set: SetAttrs) -> FsResult<Attr> {
+        if !self.cfg.posix_metadata || set.is_empty() {
+            return self.getattr(ino).await;
+        }
+        self.writable()?;
+        self.load_meta(&[ino]).await;
+        let now = SystemTime::now();
+        let (attr, schedule) = {
+            let mut t = self.inodes();
+            let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
+            let shown = self.attr_of(i);
+            let m = Arc::make_mut(i.meta.get_or_insert_with(Default::default));
+            if let Some(mode) = set.mode {
+                let ifmt = match m.mode {
+                    Some(old) if old & S_IFMT != 0 => old & S_IFMT,
+                    _ => shown.node.ifmt(),
+                };
+                // s3fs keeps S_IFDIR off directory markers' mode; so do we, for its sake.
+                let ifmt = if i.kind == Kind::Dir { 0 } else { ifmt };
+                m.mode = Some(ifmt | (mode & 0o7777));
+            } else if m.mode.is_none() && i.kind == Kind::File {
+                // The first stored mode must say what the file shows now.
+                m.mode = Some(shown.node.ifmt() | u32::from(shown.perm));
+            }
+            if set.uid.is_some() || set.gid.is_some() {
+                m.uid = Some(set.uid.unwrap_or(shown.uid));
+                m.gid = Some(set.gid.unwrap_or(shown.gid));
+            }
+            if let Some(t) = set.mtime {
+                m.mtime = Some(t);
+                i.mtime_from_writes = false;
+            } else if m.mtime.is_none() {
+                m.mtime = Some(shown.mtime);
+            }
+            if let Some(t) = set.atime {
+                m.atime = Some(t);
+            }
+            m.ctime = Some(now);
+            i.meta_changes += 1;
+            (self.attr_of(i), !i.being_written())
+        };
+        if schedule {
+            self.schedule_save(ino);
+        }
+        Ok(attr)
+    }
+
+    /// Saves `ino`'s metadata `SAVE_DELAY` from now (see the module doc).
+    pub(super) fn schedule_save(&self, ino: u64) {
+        let saver = self.saver();
+        tokio::spawn(async move {
+            tokio::time::sleep(SAVE_DELAY).await;
+            saver.save(ino).await
+        });
+    }
+
+    fn saver(&self) -> Saver {
+        Saver {
+            client: self.client.clone(),
+            inodes: self.inodes.clone(),
+            pending: self.pending.clone(),
+        }
+    }
+
+    /// Saves what is pending for `ino` now (fsync, rename, unmount).
+    pub(super) async fn save_meta(&self, ino: u64) -> FsResult<()> {
+        self.saver().save(ino).await
+    }
+
+    #[cfg(test)]
+    pub(super) async fn fsync_meta_for_tests(&self, ino: u64) {
+        self.save_meta(ino).await.unwrap()
+    }
+
+    /// Saves every pending metadata change (unmount); returns how many failed.
+    pub(super) async fn save_all_meta(&self) -> usize {
+        let dirty: Vec<u64> = {
+            let t = self.inodes();
+            t.dirty_meta()
+        };
+        let saver = self.saver();
+        futures::stream::iter(dirty)
+            .map(|ino| {
+                let saver = &saver;
+                async move { saver.save(ino).await.is_err() as usize }
+            })
+            .buffer_unordered(HEADS_IN_FLIGHT)
+            .fold(0, |a, b| async move { a + b })
+            .await
+    }
+
+    // ---- xattrs ------------------------------------------------------------------
+
+    fn xattr_name_ok(name: &str) -> FsResult<()> {
+        // Security labels and POSIX ACLs mean something to the kernel that S3 cannot keep.
+        if name.starts_with("user.") || name.starts_with("trusted.") {
+            Ok(())
+        } else {
+            Err(FsError::Unsupported("only user.* and trusted.* xattrs"))
+        }
+    }
+
+    pub async fn getxattr(&self, ino: u64, name: &str) -> FsResult<Vec<u8>> {
+        if !self.cfg.posix_metadata || Self::xattr_name_ok(name).is_err() {
+            return Err(FsError::NoAttr);
+        }
+        self.load_meta(&[ino]).await;
+        let i = self.inode(ino)?;
+        i.meta
+            .as_ref()
+            .and_then(|m| m.xattrs.get(name).cloned())
+            .ok_or(FsError::NoAttr)
+    }
+
+    pub async fn listxattr(&self, ino: u64) -> FsResult<Vec<u8>> {
+        if !self.cfg.posix_metadata {
+            return Ok(Vec::new());
+        }
+        self.load_meta(&[ino]).await;
+        let i = self.inode(ino)?;
+        let mut out = Vec::new();
+        for name in i.meta.iter().flat_map(|m| m.xattrs.keys()) {
+            out.extend_from_slice(name.as_bytes());
+            out.push(0);
+        }
+        Ok(out)
+    }
+
+    /// setxattr (`value` Some) and removexattr; `flags` are XATTR_CREATE/XATTR_REPLACE.
+    pub async fn change_xattr(
+        &self,
+        ino: u64,
+        name: &str,
+        value: Option<&[u8]>,
+        flags: i32,
+    ) -> FsResult<()> {
+        if !self.cfg.posix_metadata {
+            return Err(FsError::Unsupported("xattrs need stored metadata"));
+        }
+        Self::xattr_name_ok(name)?;
+        self.writable()?;
+        self.load_meta(&[ino]).await;
+        let schedule = {
+            let mut t = self.inodes();
+            let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
+            let shown = self.attr_of(i);
+            let m = Arc::make_mut(i.meta.get_or_insert_with(Default::default));
+            let exists = m.xattrs.contains_key(name);
+            match value {
+                Some(v) => {
+                    if flags & libc::XATTR_CREATE != 0 && exists {
+                        return Err(FsError::Exists);
+                    }
+                    if flags & libc::XATTR_REPLACE != 0 && !exists {
+                        return Err(FsError::NoAttr);
+                    }
+                    let mut x = m.xattrs.clone();
+                    x.insert(name.to_string(), v.to_vec());
+                    if meta::format_xattrs(&x).len() > meta::MAX_XATTR_HEADER {
+                        return Err(FsError::XattrTooBig);
+                    }
+                    m.xattrs = x;
+                }
+                None => {
+                    if m.xattrs.remove(name).is_none() {
+                        return Err(FsError::NoAttr);
+                    }
+                }
+            }
+            if m.mode.is_none() && i.kind == Kind::File {
+                m.mode = Some(shown.node.ifmt() | u32::from(shown.perm));
+            }
+            m.ctime = Some(SystemTime::now());
+            i.meta_changes += 1;
+            !i.being_written()
+        };
+        if schedule {
+            self.schedule_save(ino);
+        }
+        Ok(())
+    }
+
+    // ---- symlinks and special files -------------------------------------------------
+
+    /// An object whose body is the target and whose mode has S_IFLNK (s3fs's format).
+    pub async fn symlink(
+        &self,
+        parent: u64,
+        name: &str,
+        target: &str,
+        who: Creator,
+    ) -> FsResult<Attr> {
+        if target.len() > MAX_LINK {
+            return Err(FsError::NameTooLong);
+        }
+        let ino = self
+            .create_object(
+                parent,
+                name,
+                S_IFLNK | 0o777,
+                who,
+                Bytes::copy_from_slice(target.as_bytes()),
+            )
+            .await?;
+        let mut t = self.inodes();
+        let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
+        i.link_target = Some(Arc::from(target));
+        Ok(self.attr_of(i))
+    }
+
+    /// mknod: a fifo, socket or device node is an empty object whose mode says what it
+    /// is (as s3fs stores them; no rdev, as in s3fs 1.90); a regular file is created empty.
+    pub async fn mknod(&self, parent: u64, name: &str, mode: u32, who: Creator) -> FsResult<Attr> {
+        let ifmt = if mode & S_IFMT == 0 {
+            S_IFREG
+        } else {
+            mode & S_IFMT
+        };
+        match NodeType::from_mode(ifmt) {
+            Some(NodeType::Dir | NodeType::Symlink) | None => {
+                return Err(FsError::Invalid("mknod of this file type"))
+            }
+            Some(_) => {}
+        }
+        let ino = self
+            .create_object(parent, name, ifmt | (mode & 0o7777), who, Bytes::new())
+            .await?;
+        Ok(self.attr_of(&self.inode(ino)?))
+    }
+
+    /// PUTs a new object with its metadata (symlink, mknod) and binds it.
+    async fn create_object(
+        &self,
+        parent: u64,
+        name: &str,
+        mode: u32,
+        who: Creator,
+        body: Bytes,
+    ) -> FsResult<u64> {
+        if !self.cfg.posix_metadata {
+            return Err(FsError::Unsupported(
+                "symlinks and special files need stored metadata (--ignore-metadata is set)",
+            ));
+        }
+        self.writable()?;
+        check_name(name)?;
+        let p = self.dir_inode(parent)?;
+        let key = format!("{}{}", p.key, name);
+        if key.len() + 1 > MAX_KEY_LEN {
+            return Err(FsError::NameTooLong);
+        }
+        if self.inodes().child(parent, name).is_some() {
+            return Err(FsError::Exists);
+        }
+        if !self.listing_fresh(&p) && self.probe(&p.key, name).await?.is_some() {
+            return Err(FsError::Exists);
+        }
+        let m = new_meta(mode, who);
+        let size = body.len() as u64;
+        let put = self
+            .client
+            .put_object_with_meta(&key, body, &m.to_headers())
+            .await?;
+        let mut t = self.inodes();
+        let ino = t.upsert(parent, name, Kind::File, size, SystemTime::now(), put.etag);
+        let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
+        i.meta = Some(Arc::new(m));
+        i.meta_stamp = None;
+        t.add_lookup(ino);
+        Ok(ino)
+    }
+
+    pub async fn readlink(&self, ino: u64) -> FsResult<Vec<u8>> {
+        self.load_meta(&[ino]).await;
+        let i = self.inode(ino)?;
+        if self.attr_of(&i).node != NodeType::Symlink {
+            return Err(FsError::Invalid("not a symlink"));
+        }
+        if let Some(t) = &i.link_target {
+            return Ok(t.as_bytes().to_vec());
+        }
+        let size = i.size.min(MAX_LINK as u64);
+        let body = match &i.etag {
+            Some(etag) => self.client.get_range_if_match(&i.key, etag, 0, size).await,
+            None => self.client.get_range(&i.key, 0, size).await,
+        }?;
+        let target: Arc<str> = Arc::from(String::from_utf8_lossy(&body).as_ref());
+        if let Some(i) = self.inodes().get_mut(ino) {
+            i.link_target = Some(target.clone());
+        }
+        Ok(target.as_bytes().to_vec())
+    }
+
+    /// The attributes READDIRPLUS returns for an entry `readdir` produced; `None` for one
+    /// the table no longer holds.
+    pub fn entry_attr(&self, ino: u64) -> Option<Attr> {
+        self.inodes().get(ino).map(|i| self.attr_of(i))
+    }
+
+    /// The kernel took references to these entries of a READDIRPLUS reply.
+    pub fn add_lookups(&self, inos: &[u64]) {
+        let mut t = self.inodes();
+        for ino in inos {
+            t.add_lookup(*ino);
+        }
+    }
+}
+
+/// What a metadata save needs, apart from the file system (it runs in its own task).
+struct Saver {
+    client: Arc<dyn ObjectClient>,
+    inodes: Arc<Mutex<InodeTable>>,
+    pending: Arc<Mutex<HashMap<u64, PendingCreate>>>,
+}
+
+impl Saver {
+    async fn save(&self, ino: u64) -> FsResult<()> {
+        // A new empty file's PUT must be in S3 before its copy.
+        let done = lock(&self.pending).get(&ino).map(|p| p.done.clone());
+        if let Some(done) = done {
+            drop(done.lock().await);
+        }
+        let (key, kind, etag, size, headers, change) = {
+            let t = lock(&self.inodes);
+            let Some(i) = t.get(ino) else {
+                return Ok(());
+            };
+            if i.meta_changes == i.meta_saved || i.being_written() || i.local_only {
+                // Saved already, or the upload under way takes it along.
+                return Ok(());
+            }
+            let headers = i.meta.as_ref().map(|m| m.to_headers()).unwrap_or_default();
+            (
+                i.key.clone(),
+                i.kind,
+                i.etag.clone(),
+                i.size,
+                headers,
+                i.meta_changes,
+            )
+        };
+        let result = match kind {
+            // A marker is empty: writing it anew is the copy, and creates it for an
+            // implicit directory.
+            Kind::Dir => self
+                .client
+                .put_object_with_meta(&key, Bytes::new(), &headers)
+                .await
+                .map(|m| m.etag),
+            Kind::File => {
+                let etag = match etag {
+                    Some(e) => Ok(e),
+                    None => self.client.head_object(&key).await.and_then(|m| {
+                        m.etag
+                            .ok_or_else(|| S3Error::Other("HEAD returned no ETag".into()))
+                    }),
+                };
+                match etag {
+                    Ok(etag) => self
+                        .client
+                        .replace_metadata(&key, &etag, size, &headers)
+                        .await
+                        .map(|m| m.etag.or(Some(etag))),
+                    Err(e) => Err(e),
+                }
+            }
+        };
+        let mut t = lock(&self.inodes);
+        let Some(i) = t.get_mut(ino) else {
+            return Ok(());
+        };
+        match result {
+            Ok(etag) => {
+                i.meta_saved = i.meta_saved.max(change);
+                if kind == Kind::File {
+                    i.etag = etag;
+                    // The copy has a new Last-Modified, which the next listing supplies.
+                    i.meta_stamp = None;
+                }
+                Ok(())
+            }
+            Err(e) => {
+                tracing::warn!(key = %key, error = %e,
+                    "could not save metadata (chmod/chown/utimes/xattr); S3 keeps what it had");
+                // Ours is dropped: what S3 holds shows from the next lookup on.
+                i.meta_saved = i.meta_changes;
+                i.meta = None;
+                i.validated = None;
+                Err(FsError::S3(e))
+            }
+        }
+    }
+}
