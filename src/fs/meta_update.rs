@@ -553,8 +553,13 @@ impl Saver {
                 Ok(())
             }
             Err(e) => {
-                tracing::warn!(key = %key, error = %e,
-                    "could not save metadata (chmod/chown/utimes/xattr); S3 keeps what it had");
+                if e == S3Error::NotFound {
+                    // Unlinked (or renamed by another client) before the save: nothing to keep.
+                    tracing::debug!(key = %key, "metadata not saved: the object is gone");
+                } else {
+                    tracing::warn!(key = %key, error = %e,
+                        "could not save metadata (chmod/chown/utimes/xattr); S3 keeps what it had");
+                }
                 // Ours is dropped: what S3 holds shows from the next lookup on.
                 i.meta_saved = i.meta_changes;
                 i.meta = None;

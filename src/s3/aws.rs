@@ -689,8 +689,11 @@ impl ObjectClient for AwsClient {
             return Ok(());
         }
         // Above 5 GiB S3 refuses CopyObject: copy in 512 MiB ranges with UploadPartCopy.
+        // A multipart upload does not take the source's user metadata (POSIX mode, owner,
+        // times as s3fs stores them) along by itself: it is read and given to it.
         const COPY_PART: u64 = 512 * 1024 * 1024;
-        let upload_id = self.create_multipart(dst).await?;
+        let (_, meta) = self.head_object_with_meta(src).await?;
+        let upload_id = self.create_multipart_with_meta(dst, &meta).await?;
         let mut parts = Vec::new();
         let mut start = 0;
         let mut number = 1;
