@@ -12,7 +12,7 @@ from collections import defaultdict
 ap = argparse.ArgumentParser()
 ap.add_argument("results")
 ap.add_argument("notes")
-for a in ["peer-runs", "rtt", "big", "touch", "objects", "dirs", "wu", "md", "runs", "elapsed", "versions", "cpus", "dropped-caches"]:
+for a in ["peer-runs", "rtt", "big", "touch", "objects", "dirs", "wu", "md", "sql", "runs", "elapsed", "versions", "cpus", "dropped-caches"]:
     ap.add_argument("--" + a, default="")
 args = ap.parse_args()
 
@@ -29,6 +29,10 @@ ROWS = [
     ("md_create", f"mdtest create ({args.md} files)", "ops/s", True),
     ("md_stat", f"mdtest stat ({args.md} files)", "ops/s", True),
     ("md_remove", f"mdtest remove ({args.md} files)", "ops/s", True),
+    ("edit_append", f"append 1 MiB to a {args.big} object + close", "s", False),
+    ("edit_append_sent", "… MiB sent to S3 for that append", "MiB", False),
+    ("edit_random", "1000 random 4 KiB writes into that object + close", "s", False),
+    ("sqlite", f"SQLite: {args.sql} inserts, transactions of 100", "rows/s", True),
     ("rss", f"peak RSS during the {args.big} read", "MiB", False),
 ]
 PER_FILE = {

@@ -46,9 +46,9 @@ while [ $# -gt 0 ]; do
 done
 
 if [ "$QUICK" = 1 ]; then
-  BIG=64MiB TOUCH_N=100 DIRS=10 FILES=100 WU_N=100 MD_N=100 RUNS=${RUNS:-1}
+  BIG=64MiB TOUCH_N=100 DIRS=10 FILES=100 WU_N=100 MD_N=100 RUNS=${RUNS:-1} SQL_N=2000
 else
-  BIG=256MiB TOUCH_N=500 DIRS=100 FILES=100 WU_N=1000 MD_N=500 RUNS=${RUNS:-3}
+  BIG=256MiB TOUCH_N=500 DIRS=100 FILES=100 WU_N=1000 MD_N=500 RUNS=${RUNS:-3} SQL_N=10000
 fi
 [ "$FULL" = 1 ] && BIG=1GiB
 PEER_RUNS=${PEER_RUNS:-1}
@@ -123,7 +123,7 @@ declare -A PPORT
 for c in $CLIENTS; do
   PPORT[$c]=$(free_port)
   "${SERVER_SIDE[@]}" "$BENCH" proxy --listen "127.0.0.1:${PPORT[$c]}" --upstream "127.0.0.1:$MPORT" \
-    --delay-ms "$DELAY_MS" >"$WORK/proxy-$c.log" 2>&1 &
+    --delay-ms "$DELAY_MS" --bytes-file "$WORK/proxy-$c.bytes" >"$WORK/proxy-$c.log" 2>&1 &
   PIDS+=($!)
 done
 sleep 0.5
@@ -138,6 +138,8 @@ for c in $CLIENTS; do
   log "setup $c: uploading big.bin ($BIG)"
   "$BENCH" raw-write --endpoint "$DIRECT" --bucket "$(bucket "$c")" --key big.bin --size "$BIG" >/dev/null || exit 1
   if [ "$c" != raw ]; then
+    log "setup $c: uploading edit.bin ($BIG), the object the edit rows change"
+    "$BENCH" raw-write --endpoint "$DIRECT" --bucket "$(bucket "$c")" --key edit.bin --size "$BIG" >/dev/null || exit 1
     log "setup $c: creating $((DIRS * FILES)) objects in $DIRS directories"
     "$BENCH" populate --endpoint "$DIRECT" --bucket "$(bucket "$c")" --prefix tree \
       --dirs "$DIRS" --files "$FILES" >/dev/null || exit 1
@@ -195,6 +197,9 @@ count() {
     END { s = ""; for (k in n) s = s k ":" n[k] " "; printf "%d\t%s", t, (s == "" ? "-" : s) }'
   printf '\t%d' $(($(wc -l <"$WORK/proxy-$c.log") - MARK_P))
 }
+# bytes the client sent through its proxy so far (`s3bench proxy --bytes-file`)
+proxy_bytes() { sleep 0.3; cat "$WORK/proxy-$1.bytes" 2>/dev/null || echo 0; }
+
 # record FS WORKLOAD RUN VALUE [requests]
 record() { printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "${5:-}" >>"$RES"; }
 field() { sed -n "s/.*[ ]$1=\([^ ]*\).*/\1/p" | tail -1; }
@@ -317,6 +322,15 @@ bench_mount() { # FS RUN
   for ph in create stat remove; do
     run_timed "$fs" "md_$ph" "$run" "${ph}_ops" "$BENCH" fs mdtest "$MNT/md-$run" --n "$MD_N" --phase "$ph"
   done
+  # 7. editing in place: append 1 MiB to an existing $BIG object (and the MiB sent upstream
+  #    for it, as its proxy counted them), 1000 random 4 KiB writes into it, SQLite inserts.
+  #    Every time includes the close.
+  local sent
+  sent=$(proxy_bytes "$fs")
+  run_timed "$fs" edit_append "$run" secs python3 bench/edit_workloads.py append "$MNT/edit.bin" --size 1MiB
+  record "$fs" edit_append_sent "$run" "$(awk -v a="$sent" -v b="$(proxy_bytes "$fs")" 'BEGIN { printf "%.1f", (b - a) / 1048576 }')"
+  run_timed "$fs" edit_random "$run" secs python3 bench/edit_workloads.py random-writes "$MNT/edit.bin" --n 1000
+  run_timed "$fs" sqlite "$run" rows_per_s python3 bench/edit_workloads.py sqlite "$MNT/db-$run.sqlite" --rows "$SQL_N"
   umount_fs
 }
 
@@ -343,7 +357,7 @@ ELAPSED=$(($(date +%s) - T_START))
 mkdir -p bench/results
 python3 bench/report.py "$RES" "$NOTES" \
   --rtt "$RTT" --big "$BIG" --touch "$TOUCH_N" --objects "$((DIRS * FILES))" --dirs "$DIRS" \
-  --wu "$WU_N" --md "$MD_N" --cpus "$CPUS" --dropped-caches "$DROP_CACHES" --runs "$RUNS" --peer-runs "$PEER_RUNS" --elapsed "$ELAPSED" \
+  --wu "$WU_N" --md "$MD_N" --sql "$SQL_N" --cpus "$CPUS" --dropped-caches "$DROP_CACHES" --runs "$RUNS" --peer-runs "$PEER_RUNS" --elapsed "$ELAPSED" \
   --versions "s3csi $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null)$(git -C "$ROOT" diff --quiet 2>/dev/null || echo '+dirty'); $(s3fs --version 2>/dev/null | head -1 | sed 's/ (commit.*//'); $(rclone version 2>/dev/null | head -1); moto $(python3 -c 'import moto;print(moto.__version__)')" \
   >bench/results/latest.md
 cat bench/results/latest.md

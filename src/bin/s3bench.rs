@@ -14,6 +14,7 @@ use s3csi::s3::ObjectClient;
 use std::io::{Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -48,6 +49,10 @@ enum Cmd {
         upstream: String,
         #[arg(long, default_value_t = 5)]
         delay_ms: u64,
+        /// Keep the number of bytes clients sent upstream so far in this file (rewritten
+        /// every 100 ms), for the bench's "bytes sent" rows.
+        #[arg(long)]
+        bytes_file: Option<std::path::PathBuf>,
     },
     /// Read one object with parallel ranged GETs (consumed in order, like a sequential reader).
     RawRead {
@@ -178,16 +183,40 @@ fn pattern(len: usize) -> Bytes {
 
 // ---------------------------------------------------------------- proxy
 
-async fn proxy(listen: &str, upstream: &str, delay: Duration) -> Result<()> {
+async fn proxy(
+    listen: &str,
+    upstream: &str,
+    delay: Duration,
+    bytes_file: Option<std::path::PathBuf>,
+) -> Result<()> {
     let listener = TcpListener::bind(listen)
         .await
         .with_context(|| format!("bind {listen}"))?;
+    let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    if let Some(path) = bytes_file {
+        let sent = sent.clone();
+        tokio::spawn(async move {
+            let mut last = u64::MAX;
+            loop {
+                let now = sent.load(std::sync::atomic::Ordering::Relaxed);
+                if now != last {
+                    let tmp = path.with_extension("tmp");
+                    if std::fs::write(&tmp, now.to_string()).is_ok() {
+                        let _ = std::fs::rename(&tmp, &path);
+                    }
+                    last = now;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+    }
     let mut n: u64 = 0;
     loop {
         let (down, _) = listener.accept().await?;
         n += 1;
         println!("conn {n}");
         let upstream = upstream.to_string();
+        let sent = sent.clone();
         tokio::spawn(async move {
             let accepted = tokio::time::Instant::now();
             let Ok(up) = TcpStream::connect(&upstream).await else {
@@ -199,8 +228,8 @@ async fn proxy(listen: &str, upstream: &str, delay: Duration) -> Result<()> {
             let gate = accepted + delay * 2;
             let (dr, dw) = down.into_split();
             let (ur, uw) = up.into_split();
-            let a = tokio::spawn(pipe(dr, uw, gate, delay));
-            let b = tokio::spawn(pipe(ur, dw, gate, delay));
+            let a = tokio::spawn(pipe(dr, uw, gate, delay, Some(sent)));
+            let b = tokio::spawn(pipe(ur, dw, gate, delay, None));
             let _ = tokio::join!(a, b);
         });
     }
@@ -213,6 +242,7 @@ async fn pipe(
     mut w: tokio::net::tcp::OwnedWriteHalf,
     gate: tokio::time::Instant,
     delay: Duration,
+    counted: Option<Arc<std::sync::atomic::AtomicU64>>,
 ) {
     let (tx, mut rx) = tokio::sync::mpsc::channel::<(tokio::time::Instant, Option<Bytes>)>(4096);
     let reader = async move {
@@ -230,6 +260,9 @@ async fn pipe(
                 }
                 Ok(_) => {
                     let chunk = buf.split().freeze();
+                    if let Some(c) = &counted {
+                        c.fetch_add(chunk.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                    }
                     if tx.send((due, Some(chunk))).await.is_err() {
                         break;
                     }
@@ -511,7 +544,16 @@ fn main() -> Result<()> {
                 listen,
                 upstream,
                 delay_ms,
-            } => proxy(&listen, &upstream, Duration::from_millis(delay_ms)).await,
+                bytes_file,
+            } => {
+                proxy(
+                    &listen,
+                    &upstream,
+                    Duration::from_millis(delay_ms),
+                    bytes_file,
+                )
+                .await
+            }
             Cmd::RawRead {
                 s3,
                 key,

@@ -35,6 +35,11 @@ impl UploadBudget {
         }
     }
 
+    /// The whole budget, in bytes.
+    pub fn bytes(&self) -> u64 {
+        self.total as u64 * BUDGET_UNIT
+    }
+
     /// Memory for a body of `bytes` bytes, waited for; held until dropped.
     pub async fn take_for(&self, bytes: usize) -> Option<tokio::sync::OwnedSemaphorePermit> {
         self.take(bytes).await
@@ -50,6 +55,8 @@ impl UploadBudget {
 }
 
 const MAX_PART: u64 = 5 * 1024 * 1024 * 1024;
+/// S3's most parts per upload.
+const MAX_PARTS: i32 = 10_000;
 /// S3's smallest part but the last: an object continued from a shorter one is read back
 /// and sent again, from a longer one copied on the server.
 pub const MIN_PART: u64 = 5 * 1024 * 1024;
@@ -60,6 +67,9 @@ pub struct Upload {
     client: Arc<dyn ObjectClient>,
     key: String,
     base_part_size: u64,
+    /// Parts never grow past the mount's upload budget: a part is buffered whole before it
+    /// is sent, so a larger one would be memory outside the budget.
+    max_part: u64,
     max_inflight: usize,
     budget: UploadBudget,
     written: u64,
@@ -87,6 +97,7 @@ impl Upload {
             client,
             key,
             base_part_size: part_size,
+            max_part: budget.bytes().max(MIN_PART),
             max_inflight: max_inflight.max(1),
             budget,
             written: 0,
@@ -223,11 +234,21 @@ impl Upload {
         if offset != self.written {
             return Err(FsError::Unsupported("non-sequential write"));
         }
+        if self.next_part >= MAX_PARTS && (self.buf.len() + data.len()) as u64 > self.max_part {
+            tracing::warn!(key = %self.key, written = self.written,
+                "file too large for S3's 10 000 parts within --max-upload-memory; EFBIG");
+            return Err(FsError::TooBig);
+        }
         self.buf.extend_from_slice(data);
         self.written += data.len() as u64;
         loop {
-            let size = Self::part_size(self.base_part_size, self.next_part) as usize;
+            let size =
+                Self::part_size(self.base_part_size, self.next_part).min(self.max_part) as usize;
             if self.buf.len() < size {
+                break;
+            }
+            if self.next_part >= MAX_PARTS {
+                // The last part S3 allows goes at finish, with whatever is left.
                 break;
             }
             let part = self.buf.split_to(size).freeze();
