@@ -153,11 +153,16 @@ impl DeferredDeletes {
     }
 }
 
-#[async_trait]
-impl ObjectClient for DeferredDeletes {
-    async fn head_object(&self, key: &str) -> S3Result<ObjectMeta> {
+impl DeferredDeletes {
+    /// A HEAD of `key`, answered NotFound while its DELETE is pending, or when one
+    /// finished after the HEAD began (S3 may have answered with the object still there).
+    async fn unless_hidden<T>(
+        &self,
+        key: &str,
+        head: impl std::future::Future<Output = S3Result<T>>,
+    ) -> S3Result<T> {
         let started = lock(&self.ledger).start_read();
-        let res = self.inner.head_object(key).await;
+        let res = head.await;
         let mut ledger = lock(&self.ledger);
         let hidden = ledger.hidden(started, key);
         ledger.end_read(started);
@@ -165,6 +170,13 @@ impl ObjectClient for DeferredDeletes {
             return Err(S3Error::NotFound);
         }
         res
+    }
+}
+
+#[async_trait]
+impl ObjectClient for DeferredDeletes {
+    async fn head_object(&self, key: &str) -> S3Result<ObjectMeta> {
+        self.unless_hidden(key, self.inner.head_object(key)).await
     }
 
     async fn list(&self, req: ListRequest<'_>) -> S3Result<ListPage> {
@@ -271,15 +283,8 @@ impl ObjectClient for DeferredDeletes {
     }
 
     async fn head_object_with_meta(&self, key: &str) -> S3Result<(ObjectMeta, UserMeta)> {
-        let started = lock(&self.ledger).start_read();
-        let res = self.inner.head_object_with_meta(key).await;
-        let mut ledger = lock(&self.ledger);
-        let hidden = ledger.hidden(started, key);
-        ledger.end_read(started);
-        if hidden {
-            return Err(S3Error::NotFound);
-        }
-        res
+        self.unless_hidden(key, self.inner.head_object_with_meta(key))
+            .await
     }
 
     async fn create_multipart_with_meta(&self, key: &str, meta: &UserMeta) -> S3Result<String> {

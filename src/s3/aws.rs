@@ -546,17 +546,7 @@ impl ObjectClient for AwsClient {
     }
 
     async fn create_multipart(&self, key: &str) -> S3Result<String> {
-        let out = self
-            .client
-            .create_multipart_upload()
-            .bucket(&self.bucket)
-            .key(key)
-            .send()
-            .await
-            .map_err(map_err)?;
-        out.upload_id()
-            .map(str::to_string)
-            .ok_or_else(|| S3Error::Other("CreateMultipartUpload returned no upload id".into()))
+        self.create_multipart_with_meta(key, &UserMeta::new()).await
     }
 
     async fn upload_part(
