@@ -18,9 +18,10 @@
 //!   nobody touched (`edit.rs`, `staging.rs`).
 //!
 //! Layout: the metadata layer is `inode.rs` (the inode table, persisted for a replacement
-//! mounter by `inode_log.rs`), `lookup.rs` and `namespace.rs`; the data layer is
-//! `handles.rs`, `writer.rs` (+ `upload.rs`), `pending_create.rs`, `readdir.rs` and
-//! `prefetch.rs`; `deletes.rs` orders DELETEs at the client seam. This file holds the
+//! mounter by `inode_log.rs`), `lookup.rs`, `namespace.rs` and `meta.rs` + `meta_update.rs`
+//! (s3fs-compatible POSIX metadata); the data layer is `handles.rs`, `writer.rs` (+
+//! `upload.rs`), `edit.rs` (+ `staging.rs`, `ranges.rs`), `pending_create.rs`, `readdir.rs`
+//! and `prefetch.rs`; `deletes.rs` orders DELETEs at the client seam. This file holds the
 //! shared state ([`S3Fs`]) and the small helpers every part uses.
 
 pub mod deletes;
