@@ -452,19 +452,7 @@ impl AwsClient {
 #[async_trait]
 impl ObjectClient for AwsClient {
     async fn head_object(&self, key: &str) -> S3Result<ObjectMeta> {
-        let out = self
-            .client
-            .head_object()
-            .bucket(&self.bucket)
-            .key(key)
-            .send()
-            .await
-            .map_err(map_err)?;
-        Ok(to_meta(
-            out.content_length(),
-            out.last_modified(),
-            out.e_tag(),
-        ))
+        Ok(self.head_object_with_meta(key).await?.0)
     }
 
     async fn list(&self, req: ListRequest<'_>) -> S3Result<ListPage> {
