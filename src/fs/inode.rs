@@ -87,7 +87,7 @@ impl Inode {
             self.link_target = None;
         } else if self.meta_stamp.is_none() {
             self.meta_stamp = Some(mtime);
-        } else if self.meta_stamp != Some(mtime) {
+        } else if self.meta_stamp.map(whole_seconds) != Some(whole_seconds(mtime)) {
             self.meta = None;
         }
     }
@@ -546,6 +546,13 @@ impl InodeTable {
         self.log_known(ino);
         Some(ino)
     }
+}
+
+/// A time to the second: HEAD's Last-Modified is an HTTP date (whole seconds) where a
+/// LIST of the same version may say milliseconds (moto, the embedded server).
+fn whole_seconds(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 #[cfg(test)]

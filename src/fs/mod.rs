@@ -42,6 +42,7 @@ mod readdir;
 pub mod session;
 pub mod staging;
 pub mod upload;
+mod walk_ahead;
 mod writer;
 
 use crate::config::{BucketSource, MountConfig};
@@ -194,6 +195,8 @@ pub struct S3Fs {
     staging: std::sync::OnceLock<Arc<staging::StagingArea>>,
     /// The staged copy of each file being edited in place, by inode (see `edit.rs`).
     staged: Mutex<HashMap<u64, edit::Staged>>,
+    /// Directory listings fetched ahead of a tree walk (see `walk_ahead.rs`).
+    walk: Mutex<walk_ahead::WalkAhead>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -266,6 +269,7 @@ impl S3Fs {
             stopping: AtomicBool::new(false),
             staging: std::sync::OnceLock::new(),
             staged: Mutex::new(HashMap::new()),
+            walk: Mutex::new(Default::default()),
         }
     }
 

@@ -74,6 +74,7 @@ pub(super) fn page_entries(
 impl S3Fs {
     pub async fn opendir(&self, ino: u64) -> FsResult<u64> {
         let d = self.dir_inode(ino)?;
+        self.walk_ahead(ino, d.parent);
         Ok(
             self.new_fh(Handle::Dir(Arc::new(tokio::sync::Mutex::new(DirStream {
                 ino,
@@ -157,15 +158,28 @@ impl S3Fs {
             }
             return Ok(());
         }
-        let page = self
-            .client
-            .list(ListRequest {
-                prefix: &d.key,
-                delimiter: Some("/"),
-                continuation: d.token.as_deref(),
-                max_keys: LIST_PAGE,
-            })
-            .await?;
+        let first_page = d.token.is_none();
+        let ahead = match first_page {
+            true => self.page_fetched_ahead(d.ino).await,
+            false => None,
+        };
+        let page = match ahead {
+            Some((page, sent, forgotten)) => {
+                // The listing began when that LIST was sent.
+                d.pass_start = Some((sent, forgotten));
+                page
+            }
+            None => {
+                self.client
+                    .list(ListRequest {
+                        prefix: &d.key,
+                        delimiter: Some("/"),
+                        continuation: d.token.as_deref(),
+                        max_keys: LIST_PAGE,
+                    })
+                    .await?
+            }
+        };
         let mut entries = page_entries(&d.key, &page, self.mount_time);
         entries.retain(|e| !d.local_names.contains(&e.name));
         let listed: Vec<(u64, Kind, String)> = {
@@ -187,6 +201,12 @@ impl S3Fs {
             self.load_meta(&inos).await;
         }
         let mut t = self.inodes();
+        let subdirs: Vec<u64> = listed
+            .iter()
+            .filter(|(_, kind, _)| *kind == Kind::Dir)
+            .map(|(ino, _, _)| *ino)
+            .collect();
+        lock(&self.walk).note_subdirs(d.ino, first_page, &subdirs);
         for (ino, kind, name) in listed {
             let node = t.get(ino).map_or(NodeType::File, |i| self.attr_of(i).node);
             push(d, ino, kind, node, name);

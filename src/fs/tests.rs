@@ -590,6 +590,96 @@ async fn a_lookup_miss_lists_the_directory_for_its_siblings() {
     );
 }
 
+/// LIST says milliseconds where HEAD says whole seconds: a second listing of the same
+/// versions must not forget the metadata the first one loaded (and HEAD it all again).
+#[tokio::test]
+async fn listing_again_keeps_the_metadata_of_unchanged_objects() {
+    let mem = Arc::new(MemClient::new());
+    for i in 0..20 {
+        let meta = [("mode".to_string(), "33152".to_string())]
+            .into_iter()
+            .collect();
+        mem.insert_with_meta(&format!("d/f{i}"), "x", meta);
+    }
+    let fs = fs_with(mem.clone(), "");
+    let d = fs.lookup(ROOT, "d").await.unwrap();
+    all_entries(&fs, d.ino).await;
+    let before = mem.metadata_requests();
+    all_entries(&fs, d.ino).await;
+    assert_eq!(mem.metadata_requests(), before + 1, "one LIST, no HEAD");
+    assert_eq!(fs.lookup(d.ino, "f3").await.unwrap().perm, 0o600);
+}
+
+/// A tree walk (`ls -laR`, `find`): opening one subdirectory lists the next ones ahead,
+/// so that opening, listing and stat-ing them costs no request.
+#[tokio::test]
+async fn opening_a_subdirectory_lists_its_next_siblings_ahead() {
+    let mem = Arc::new(MemClient::new());
+    for d in 0..4 {
+        for f in 0..10 {
+            let meta = [("mode".to_string(), "33152".to_string())]
+                .into_iter()
+                .collect();
+            mem.insert_with_meta(&format!("t/d{d}/f{f}"), "x", meta);
+        }
+    }
+    let fs = fs_with(mem.clone(), "");
+    let t = fs.lookup(ROOT, "t").await.unwrap();
+    all_entries(&fs, t.ino).await;
+    let d0 = fs.lookup(t.ino, "d0").await.unwrap();
+    all_entries(&fs, d0.ino).await;
+    // Let the listings ahead land.
+    let mut settled = mem.metadata_requests();
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let now = mem.metadata_requests();
+        if now == settled && now > 0 {
+            break;
+        }
+        settled = now;
+    }
+    let before = mem.metadata_requests();
+    for d in 1..4 {
+        let dir = fs.lookup(t.ino, &format!("d{d}")).await.unwrap();
+        let names: Vec<String> = all_entries(&fs, dir.ino)
+            .await
+            .into_iter()
+            .map(|e| e.name)
+            .collect();
+        assert_eq!(names.len(), 12, "{names:?}");
+        for f in 0..10 {
+            let a = fs.lookup(dir.ino, &format!("f{f}")).await.unwrap();
+            assert_eq!(a.perm, 0o600);
+        }
+    }
+    assert_eq!(mem.metadata_requests(), before, "all listed ahead");
+}
+
+/// A page listed ahead is not used once a name changed through the mount since.
+#[tokio::test]
+async fn a_page_listed_ahead_is_dropped_after_a_change() {
+    let mem = Arc::new(MemClient::new());
+    for d in 0..2 {
+        mem.insert(&format!("t/d{d}/f"), "x");
+    }
+    let fs = fs_with(mem.clone(), "");
+    let t = fs.lookup(ROOT, "t").await.unwrap();
+    all_entries(&fs, t.ino).await;
+    let d0 = fs.lookup(t.ino, "d0").await.unwrap();
+    let fh = fs.opendir(d0.ino).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let d1 = fs.lookup(t.ino, "d1").await.unwrap();
+    fs.unlink(d1.ino, "f").await.unwrap();
+    mem.insert("t/d1/g", "y");
+    let names: Vec<String> = all_entries(&fs, d1.ino)
+        .await
+        .into_iter()
+        .map(|e| e.name)
+        .collect();
+    assert_eq!(names, [".", "..", "g"]);
+    fs.releasedir(fh);
+}
+
 /// The kernel holds an inode a dead mounter handed out; its replacement restored it from
 /// the inode log without knowing the kernel's count. Renaming it must keep it: rename's
 /// own lookups must not go through the kernel's reference counting.

@@ -127,8 +127,16 @@ impl ObjectClient for MemClient {
         self.metadata_requests
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let objs = self.objects.lock().unwrap();
+        // Last-Modified is an HTTP date, to the second, where LIST says milliseconds (as
+        // moto and the embedded server do).
+        let to_second = |t: SystemTime| {
+            let secs = t
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(secs)
+        };
         objs.get(key)
-            .map(|(b, t)| Self::meta(b, *t))
+            .map(|(b, t)| Self::meta(b, to_second(*t)))
             .ok_or(S3Error::NotFound)
     }
 
