@@ -1294,3 +1294,57 @@ async fn controller_volumes_on_the_embedded_s3_server() {
         started.elapsed()
     );
 }
+
+// ---- the node service's rough edges ----------------------------------------------------
+
+/// Soft and hard RLIMIT_NOFILE of a process, from /proc (u64::MAX for "unlimited").
+fn open_file_limits(pid: u32) -> (u64, u64) {
+    let limits = read(Path::new(&format!("/proc/{pid}/limits")));
+    let line = limits
+        .lines()
+        .find_map(|l| l.strip_prefix("Max open files"))
+        .unwrap_or_else(|| panic!("no open-file limit in /proc/{pid}/limits: {limits}"));
+    let value = |v: &str| match v {
+        "unlimited" => u64::MAX,
+        n => n.parse().unwrap(),
+    };
+    let mut fields = line.split_whitespace();
+    (value(fields.next().unwrap()), value(fields.next().unwrap()))
+}
+
+/// The node service holds one or two descriptors per mount: started with a soft open-file
+/// limit of 256 (a container runtime's default may be as low as 1024), it raises it to the
+/// hard limit, and the mounters it spawns have the raised limit too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_service_raises_its_open_file_limit_to_the_hard_limit() {
+    let started = Instant::now();
+    let (_, hard) = open_file_limits(std::process::id());
+    assert!(
+        hard > 256,
+        "the hard limit here is {hard}: nothing to raise"
+    );
+    let wanted = hard.min(1 << 20);
+    let server = csi_in(scratch_dir("csi-nofile"), Mode::Node)
+        .open_file_soft_limit(256)
+        .start();
+    assert_eq!(open_file_limits(server.pid()), (wanted, hard));
+    let log = server.log_text();
+    assert!(
+        log.contains("raised the open-file limit"),
+        "the raise is logged: {log}"
+    );
+    let bucket = new_bucket("csi-nofile");
+    let target = server.target("nofile");
+    let mut node = server.node().await;
+    node.node_publish_volume(publish_req(&bucket, &target))
+        .await
+        .unwrap_or_else(|e| panic!("publish: {e:?}\n{}", server.log_text()));
+    assert_eq!(open_file_limits(server.mounter_pid()), (wanted, hard));
+    node.node_unpublish_volume(unpublish_req(&bucket, &target))
+        .await
+        .unwrap();
+    eprintln!(
+        "[csi] open-file limit raised from 256 to {wanted} (node service and mounter) in {:?}",
+        started.elapsed()
+    );
+}
