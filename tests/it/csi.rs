@@ -1294,3 +1294,182 @@ async fn controller_volumes_on_the_embedded_s3_server() {
         started.elapsed()
     );
 }
+
+// ---- the node service's rough edges ----------------------------------------------------
+
+/// Soft and hard RLIMIT_NOFILE of a process, from /proc (u64::MAX for "unlimited").
+fn open_file_limits(pid: u32) -> (u64, u64) {
+    let limits = read(Path::new(&format!("/proc/{pid}/limits")));
+    let line = limits
+        .lines()
+        .find_map(|l| l.strip_prefix("Max open files"))
+        .unwrap_or_else(|| panic!("no open-file limit in /proc/{pid}/limits: {limits}"));
+    let value = |v: &str| match v {
+        "unlimited" => u64::MAX,
+        n => n.parse().unwrap(),
+    };
+    let mut fields = line.split_whitespace();
+    (value(fields.next().unwrap()), value(fields.next().unwrap()))
+}
+
+/// The node service holds one or two descriptors per mount: started with a soft open-file
+/// limit of 256 (a container runtime's default may be as low as 1024), it raises it to the
+/// hard limit, and the mounters it spawns have the raised limit too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_service_raises_its_open_file_limit_to_the_hard_limit() {
+    let started = Instant::now();
+    let (_, hard) = open_file_limits(std::process::id());
+    assert!(
+        hard > 256,
+        "the hard limit here is {hard}: nothing to raise"
+    );
+    let wanted = hard.min(1 << 20);
+    let server = csi_in(scratch_dir("csi-nofile"), Mode::Node)
+        .open_file_soft_limit(256)
+        .start();
+    assert_eq!(open_file_limits(server.pid()), (wanted, hard));
+    let log = server.log_text();
+    assert!(
+        log.contains("raised the open-file limit"),
+        "the raise is logged: {log}"
+    );
+    let bucket = new_bucket("csi-nofile");
+    let target = server.target("nofile");
+    let mut node = server.node().await;
+    node.node_publish_volume(publish_req(&bucket, &target))
+        .await
+        .unwrap_or_else(|e| panic!("publish: {e:?}\n{}", server.log_text()));
+    assert_eq!(open_file_limits(server.mounter_pid()), (wanted, hard));
+    node.node_unpublish_volume(unpublish_req(&bucket, &target))
+        .await
+        .unwrap();
+    eprintln!(
+        "[csi] open-file limit raised from 256 to {wanted} (node service and mounter) in {:?}",
+        started.elapsed()
+    );
+}
+
+fn signal(pid: u32, signal: nix::sys::signal::Signal) {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal).unwrap();
+}
+
+/// NodeGetVolumeStats of a volume whose mounter does not answer (stopped: the kernel
+/// queues its FUSE requests, so statvfs waits) takes the probe's timeout and reports the
+/// volume abnormal; kubelet may send several at once, more than the runtime has workers,
+/// and none of them holds up any other request, here another volume's stats.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn volume_stats_of_a_mounter_that_does_not_answer_hold_up_no_other_request() {
+    let started = Instant::now();
+    let server = start(Mode::Node);
+    let (hung, live) = (new_bucket("csi-hung"), new_bucket("csi-live"));
+    let (hung_target, live_target) = (server.target("hung"), server.target("live"));
+    let mut node = server.node().await;
+    node.node_publish_volume(publish_req(&hung, &hung_target))
+        .await
+        .unwrap_or_else(|e| panic!("publish: {e:?}\n{}", server.log_text()));
+    let hung_pid = server.mounter_pid();
+    node.node_publish_volume(publish_req(&live, &live_target))
+        .await
+        .unwrap_or_else(|e| panic!("publish: {e:?}\n{}", server.log_text()));
+    signal(hung_pid, nix::sys::signal::Signal::SIGSTOP);
+    let asked = Instant::now();
+    let waiting: Vec<_> = (0..4)
+        .map(|_| {
+            let mut node = node.clone();
+            let req = stats_req(&hung, &hung_target);
+            tokio::spawn(async move {
+                let res = node.node_get_volume_stats(req).await;
+                (res, asked.elapsed())
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let other = Instant::now();
+    node.node_get_capabilities(pb::NodeGetCapabilitiesRequest {})
+        .await
+        .unwrap();
+    let stats = node
+        .node_get_volume_stats(stats_req(&live, &live_target))
+        .await
+        .unwrap()
+        .into_inner();
+    let other = other.elapsed();
+    assert!(
+        !stats.volume_condition.as_ref().unwrap().abnormal,
+        "{stats:?}"
+    );
+    assert_eq!(stats.usage.len(), 2);
+    let mut slowest = Duration::ZERO;
+    for w in waiting {
+        let (res, took) = w.await.unwrap();
+        let stats = res
+            .expect("stats of a hung volume are an answer")
+            .into_inner();
+        let condition = stats.volume_condition.unwrap();
+        assert!(condition.abnormal, "{condition:?}");
+        assert!(stats.usage.is_empty());
+        slowest = slowest.max(took);
+    }
+    signal(hung_pid, nix::sys::signal::Signal::SIGCONT);
+    assert!(
+        other < Duration::from_secs(2),
+        "the other requests waited {other:?} for the hung volume's"
+    );
+    assert!(slowest < Duration::from_secs(10), "{slowest:?}");
+    for (bucket, target) in [(&hung, &hung_target), (&live, &live_target)] {
+        node.node_unpublish_volume(unpublish_req(bucket, target))
+            .await
+            .unwrap();
+    }
+    eprintln!(
+        "[csi] 4 stats of a hung volume took up to {slowest:?}; meanwhile another volume's \
+         answered in {other:?}; in {:?}",
+        started.elapsed()
+    );
+}
+
+/// NodeUnpublishVolume of a mount that a workload still holds (an open file, a working
+/// directory inside it) does not wait for an unmount nobody else would do: after a short
+/// retry it detaches the mount lazily and the target is gone (the unmount timeout, 10 s
+/// here, is not waited for).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unpublish_of_a_busy_mount_detaches_it_without_waiting() {
+    let started = Instant::now();
+    let server = start(Mode::Node);
+    let bucket = new_bucket("csi-busy");
+    let target = server.target("busy");
+    let mut node = server.node().await;
+    node.node_publish_volume(publish_req(&bucket, &target))
+        .await
+        .unwrap_or_else(|e| panic!("publish: {e:?}\n{}", server.log_text()));
+    std::fs::write(target.join("held.txt"), b"held").unwrap();
+    let held = std::fs::File::open(target.join("held.txt")).unwrap();
+    let mut sleeper = Command::new("sleep")
+        .arg("60")
+        .current_dir(&target)
+        .spawn()
+        .unwrap();
+    let asked = Instant::now();
+    let res = node
+        .node_unpublish_volume(unpublish_req(&bucket, &target))
+        .await;
+    let took = asked.elapsed();
+    let _ = sleeper.kill();
+    let _ = sleeper.wait();
+    drop(held);
+    res.unwrap_or_else(|e| panic!("unpublish: {e:?}\n{}", server.log_text()));
+    assert!(
+        !is_mountpoint(&target),
+        "{} is still mounted",
+        target.display()
+    );
+    assert!(!target.exists(), "the target is removed");
+    assert!(
+        took < Duration::from_secs(5),
+        "unpublish of a busy mount took {took:?} (the unmount timeout is 10 s)"
+    );
+    eprintln!(
+        "[csi] unpublish of a busy mount: detached in {took:?}; in {:?}",
+        started.elapsed()
+    );
+}

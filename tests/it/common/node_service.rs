@@ -48,6 +48,7 @@ pub struct Options {
     metrics_address: Option<String>,
     kubelet_dir: bool,
     log_name: String,
+    open_file_soft_limit: Option<u64>,
 }
 
 impl Options {
@@ -104,6 +105,13 @@ impl Options {
         self
     }
 
+    /// Starts the process with this soft RLIMIT_NOFILE (the hard limit unchanged), as
+    /// under a container runtime whose default soft limit is low.
+    pub fn open_file_soft_limit(mut self, soft: u64) -> Self {
+        self.open_file_soft_limit = Some(soft);
+        self
+    }
+
     fn socket(&self) -> PathBuf {
         self.dir.join("plugin").join("csi.sock")
     }
@@ -155,6 +163,26 @@ impl Options {
                 .env("AWS_EC2_METADATA_DISABLED", "true");
         }
         cmd.envs(self.env.iter().map(|(k, v)| (k, v)));
+        if let Some(soft) = self.open_file_soft_limit {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: only getrlimit/setrlimit between fork and exec.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let mut limit = libc::rlimit {
+                        rlim_cur: 0,
+                        rlim_max: 0,
+                    };
+                    if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    limit.rlim_cur = soft.min(limit.rlim_max);
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
         cmd
     }
 
@@ -210,6 +238,7 @@ impl CsiServer {
             metrics_address: None,
             kubelet_dir: false,
             log_name: "server.log".to_string(),
+            open_file_soft_limit: None,
         }
     }
 
@@ -271,6 +300,11 @@ impl CsiServer {
         let pids = self.mounter_pids();
         assert_eq!(pids.len(), 1, "{pids:?}");
         pids[0]
+    }
+
+    /// The process id of the `s3csi csi` process.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("the server was killed").id()
     }
 
     /// Whether the process is still running (not exited, not killed with [`Self::kill9`]).
