@@ -309,6 +309,14 @@ impl ObjectClient for DeferredDeletes {
 impl DeferredDeletes {
     /// DELETE of `key` once `after` is done (a PUT of it that is under way), deferred
     /// like any other; reads stop showing `key` at once.
+    /// Deletes `key` and waits for S3's answer whatever the mode, for callers that must
+    /// report a failure (a directory rename deletes the old tree only once the new one
+    /// is whole, and an old object left behind would show under both names).
+    pub async fn delete_now(&self, key: &str) -> S3Result<()> {
+        self.settle(key).await;
+        self.inner.delete_object(key).await
+    }
+
     pub async fn delete_after(
         &self,
         key: &str,

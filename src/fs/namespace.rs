@@ -314,18 +314,29 @@ impl S3Fs {
             .collect()
             .await;
         if let Some(failed) = copies.iter().find_map(|(_, r)| r.clone().err()) {
-            for (to, _) in copies.iter().filter(|(_, r)| r.is_ok()) {
-                if let Err(e) = self.client.delete_object(to).await {
-                    tracing::warn!(key = %to, error = %e, "cannot remove a copy of a failed directory rename");
-                }
-            }
+            let removing: Vec<_> = copies
+                .iter()
+                .filter(|(_, r)| r.is_ok())
+                .map(|(to, _)| {
+                    let (deletes, to) = (self.deletes.clone(), to.clone());
+                    async move {
+                        if let Err(e) = deletes.delete_now(&to).await {
+                            tracing::warn!(key = %to, error = %e, "cannot remove a copy of a failed directory rename");
+                        }
+                    }
+                })
+                .collect();
+            futures::stream::iter(removing)
+                .buffer_unordered(concurrency)
+                .collect::<Vec<()>>()
+                .await;
             return Err(failed.into());
         }
         let deleting: Vec<_> = objects
             .iter()
             .map(|o| {
-                let (client, key) = (self.client.clone(), o.key.clone());
-                async move { client.delete_object(&key).await }
+                let (deletes, key) = (self.deletes.clone(), o.key.clone());
+                async move { deletes.delete_now(&key).await }
             })
             .collect();
         let deletes: Vec<S3Result<()>> = futures::stream::iter(deleting)

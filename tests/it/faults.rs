@@ -475,3 +475,235 @@ fn lost_answers_to_create_and_complete_multipart() {
     );
     assert!(open.len() <= 1, "{open:?}");
 }
+
+/// About 5 % of requests fail, each in a way the SDK retries (5xx, a connection reset
+/// before or after the server saw the request).
+fn five_percent_faults(proxy: &FaultProxy) {
+    let with_body = |r: &Req| r.body_len > 0;
+    proxy.add_rule(Rule::any(0.02, Fault::Error500));
+    proxy.add_rule(Rule::any(0.01, Fault::SlowDown503));
+    proxy.add_rule(Rule::new(with_body, 0.01, Fault::ResetRequest));
+    proxy.add_rule(Rule::new(
+        |r: &Req| r.op() != "CreateMultipartUpload",
+        0.01,
+        Fault::ResetResponse,
+    ));
+}
+
+/// One edit in place through the mount: append, overwrite in the middle, or truncate
+/// (shrink or grow), then close with its result checked. Returns the new content if
+/// every call succeeded, or the failing call and its errno.
+fn edit_file(
+    path: &std::path::Path,
+    old: &[u8],
+    rng: &mut Rng,
+) -> (Vec<u8>, Result<(), (String, i32)>) {
+    use std::io::{Seek, SeekFrom};
+    use std::os::unix::fs::FileExt;
+    let mut new = old.to_vec();
+    let roll = rng.below(3);
+    let open = match roll {
+        0 => fs::OpenOptions::new().append(true).open(path),
+        _ => fs::OpenOptions::new().read(true).write(true).open(path),
+    };
+    let mut f = match open {
+        Ok(f) => f,
+        Err(e) => return (new, Err(("open".into(), errno(&e)))),
+    };
+    let res = match roll {
+        0 => {
+            let len = rng.range(1, 700 * 1024) as usize;
+            let tail = rng.bytes(len);
+            new.extend_from_slice(&tail);
+            f.write_all(&tail).map_err(|e| ("append".to_string(), e))
+        }
+        1 => {
+            let at = rng.below(old.len() as u64 + 1) as usize;
+            let len = rng.range(1, 300 * 1024) as usize;
+            let patch = rng.bytes(len);
+            if new.len() < at + patch.len() {
+                new.resize(at + patch.len(), 0);
+            }
+            new[at..at + patch.len()].copy_from_slice(&patch);
+            f.write_all_at(&patch, at as u64)
+                .map_err(|e| ("pwrite".to_string(), e))
+        }
+        _ => {
+            let len = rng.below(old.len() as u64 * 3 / 2 + 1024);
+            new.resize(len as usize, 0);
+            f.set_len(len)
+                .and_then(|_| f.seek(SeekFrom::End(0)).map(|_| ()))
+                .map_err(|e| ("truncate".to_string(), e))
+        }
+    };
+    if let Err((call, e)) = res {
+        let _ = close_checked(f);
+        return (new, Err((call, errno(&e))));
+    }
+    (
+        new,
+        close_checked(f).map_err(|e| ("close".into(), errno(&e))),
+    )
+}
+
+/// Edits in place (append, overwrite in the middle, truncate) of small and multipart-sized
+/// objects while ~5 % of requests fail: every edit close acknowledged is in S3 byte for
+/// byte at once; a failed one got EIO and S3 holds the old or the new content, nothing
+/// else; no multipart upload is left open.
+#[test]
+fn edits_in_place_under_faults_lose_nothing_acknowledged() {
+    let mut rng = Rng::from_env("edit_faults", 11);
+    let ops = if full_run() { 300 } else { 60 };
+    let bucket = new_bucket("editfaults");
+    let proxy = FaultProxy::start(&s3().endpoint, rng.next_u64());
+    five_percent_faults(&proxy);
+    let mut model: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+    let c = client(&bucket);
+    for (name, len) in [("small", 40 * 1024), ("mid", 3 * MIB), ("big", 11 * MIB)] {
+        use s3csi::s3::ObjectClient;
+        let data = rng.bytes(len);
+        runtime()
+            .block_on(c.put_object(name, data.clone().into()))
+            .unwrap();
+        model.insert(name.to_string(), data);
+    }
+    let m = faulty_mount(&bucket, &proxy, &["--part-size", "5MiB"]);
+    proxy.enable(true);
+    let (start, mut acked, mut failed) = (Instant::now(), 0, BTreeMap::<String, u64>::new());
+    for _ in 0..ops {
+        let name = rng.pick(&["small", "mid", "big"]).to_string();
+        let old = model[&name].clone();
+        let (new, res) = edit_file(&m.path(&name), &old, &mut rng);
+        let got = s3_get(&bucket, &name).expect("the object is never deleted");
+        match res {
+            Ok(()) => {
+                assert!(
+                    got == new,
+                    "{name}: acknowledged {} bytes, S3 holds {}",
+                    new.len(),
+                    got.len()
+                );
+                acked += 1;
+                model.insert(name, new);
+            }
+            Err((call, e)) => {
+                assert_eq!(
+                    e,
+                    libc::EIO,
+                    "{name}: {call} failed with errno {e}, not EIO"
+                );
+                assert!(
+                    got == old || got == new,
+                    "{name}: after a failed {call}, S3 holds neither the old nor the new bytes"
+                );
+                *failed.entry(call).or_default() += 1;
+                model.insert(name, got);
+            }
+        }
+    }
+    proxy.enable(false);
+    // Everything the mount shows now is what S3 holds.
+    for (name, data) in &model {
+        assert!(&fs::read(m.path(name)).unwrap() == data, "{name} read back");
+    }
+    drop(m);
+    let open = open_multipart_uploads(&bucket);
+    eprintln!(
+        "edit_faults: {ops} edits in {:?}: {acked} acknowledged and verified in S3, failures \
+         {failed:?}; proxy: {}",
+        start.elapsed(),
+        proxy.summary()
+    );
+    assert!(proxy.faults_total() >= 5, "too few faults to mean anything");
+    assert!(open.is_empty(), "multipart uploads left open: {open:?}");
+}
+
+/// Python's `os.rename` of a directory of 1000 files while ~5 % of requests fail:
+/// retried until it succeeds, after which every file is under the new name with its
+/// content, none is left under the old one, and nothing is duplicated.
+#[test]
+fn directory_rename_under_faults_finishes_on_retry() {
+    use s3csi::s3::ObjectClient;
+    const FILES: usize = 1000;
+    let bucket = new_bucket("renamefaults");
+    let c = client(&bucket);
+    runtime().block_on(async {
+        let puts = (0..FILES).map(|i| {
+            let c = &c;
+            async move {
+                let key = format!("src/{}/f{i:04}", i % 10);
+                c.put_object(&key, format!("content {i}").into_bytes().into())
+                    .await
+                    .unwrap();
+            }
+        });
+        futures::future::join_all(puts).await;
+    });
+    let proxy = FaultProxy::start(&s3().endpoint, 5);
+    five_percent_faults(&proxy);
+    // Two outages that outlast the SDK's retries: one in the middle of the copies (the
+    // first attempt fails), one among the DELETEs (of the copies it removes, or of the old
+    // tree once all copies exist).
+    let outage = |op: &'static str, after: u64| {
+        let seen = std::sync::atomic::AtomicU64::new(0);
+        Rule::new(
+            move |r: &Req| {
+                r.op() == op && seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) >= after
+            },
+            1.0,
+            Fault::Error500,
+        )
+        .limit(400)
+    };
+    proxy.add_rule(outage("PutObject/CopyObject", 400));
+    proxy.add_rule(outage("DeleteObject", 300));
+    let m = faulty_mount(&bucket, &proxy, &[]);
+    proxy.enable(true);
+    let start = Instant::now();
+    let mut attempts = Vec::new();
+    for _ in 0..6 {
+        let out = std::process::Command::new("python3")
+            .args(["-c", "import os, sys; os.rename(sys.argv[1], sys.argv[2])"])
+            .arg(m.path("src"))
+            .arg(m.path("dst"))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).trim().to_string();
+        attempts.push(if out.status.success() {
+            "ok".into()
+        } else {
+            err
+        });
+        if out.status.success() {
+            break;
+        }
+    }
+    proxy.enable(false);
+    eprintln!(
+        "rename_faults: {FILES} files renamed in {:?}, attempts {attempts:?}; proxy: {}",
+        start.elapsed(),
+        proxy.summary()
+    );
+    assert_eq!(
+        attempts.last().map(String::as_str),
+        Some("ok"),
+        "{attempts:?}"
+    );
+    assert!(!m.path("src").exists());
+    assert_eq!(fs::read_dir(m.path("dst")).unwrap().count(), 10);
+    drop(m);
+    assert_eq!(s3_keys(&bucket, "src/"), Vec::<String>::new());
+    let keys = s3_keys(&bucket, "dst/");
+    assert_eq!(keys.len(), FILES, "nothing lost, nothing duplicated");
+    for i in (0..FILES).step_by(97) {
+        let key = format!("dst/{}/f{i:04}", i % 10);
+        assert_eq!(
+            s3_get(&bucket, &key),
+            Some(format!("content {i}").into_bytes())
+        );
+    }
+    assert!(
+        proxy.faults_total() >= 20,
+        "too few faults to mean anything"
+    );
+}
