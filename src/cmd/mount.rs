@@ -260,10 +260,12 @@ pub fn run_mount_command(args: MountArgs) -> i32 {
     let mut options = vec![
         fuser::MountOption::FSName(format!("s3csi:{}", cfg.source.bucket)),
         fuser::MountOption::Subtype("s3csi".into()),
-        fuser::MountOption::DefaultPermissions,
         fuser::MountOption::NoDev,
         fuser::MountOption::NoSuid,
     ];
+    if !cfg.no_default_permissions {
+        options.push(fuser::MountOption::DefaultPermissions);
+    }
     if cfg.read_only {
         options.push(fuser::MountOption::RO);
     }

@@ -290,6 +290,7 @@ mod tests {
         c.read_only = rng.chance();
         c.allow_other = rng.chance();
         c.allow_root = rng.chance();
+        c.no_default_permissions = rng.chance();
         c.sync_create = rng.chance();
         c.sync_delete = rng.chance();
         c.page_cache = rng.chance();

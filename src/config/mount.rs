@@ -123,6 +123,8 @@ pub struct MountConfig {
     pub dir_mode: u16,
     pub allow_other: bool,
     pub allow_root: bool,
+    /// The kernel enforces no permissions (default: `default_permissions`).
+    pub no_default_permissions: bool,
     pub metadata_ttl: Duration,
     pub part_size: u64,
     pub max_concurrency: usize,
@@ -156,6 +158,7 @@ impl MountConfig {
             read_only: false,
             allow_other: false,
             allow_root: false,
+            no_default_permissions: false,
             sync_create: false,
             sync_delete: false,
             page_cache: false,
@@ -301,6 +304,7 @@ impl MountConfig {
             DirMode => self.dir_mode = parse_mode(key, text()?)?,
             AllowOther => self.allow_other = switch()?,
             AllowRoot => self.allow_root = switch()?,
+            NoDefaultPermissions => self.no_default_permissions = switch()?,
             MetadataTtl => {
                 self.metadata_ttl = parse_duration(text()?).map_err(|e| invalid(key, e))?
             }
@@ -355,6 +359,7 @@ impl MountConfig {
             DirMode => Some(format!("{:04o}", self.dir_mode)),
             AllowOther => on(self.allow_other),
             AllowRoot => on(self.allow_root),
+            NoDefaultPermissions => on(self.no_default_permissions),
             MetadataTtl => Some(format_duration(self.metadata_ttl)),
             PartSize => Some(format_size(self.part_size)),
             MaxConcurrency => Some(self.max_concurrency.to_string()),

@@ -18,6 +18,7 @@ pub enum OptionId {
     DirMode,
     AllowOther,
     AllowRoot,
+    NoDefaultPermissions,
     MetadataTtl,
     PartSize,
     MaxConcurrency,
@@ -319,6 +320,13 @@ pub static MOUNT_OPTIONS: &[OptionSpec] = &[
         "Let users other than the mounting one access the mount",
     ),
     OptionSpec::switch(Id::AllowRoot, "allow-root", "Let root access the mount too"),
+    OptionSpec::switch(
+        Id::NoDefaultPermissions,
+        "no-default-permissions",
+        "The kernel checks no permissions: whoever reaches the mount (see --allow-other) may \
+         read, write, chmod and remove every file whatever its mode and owner; modes and \
+         owners are still stored and shown",
+    ),
     OptionSpec::text(
         Id::MetadataTtl,
         "metadata-ttl",

@@ -192,6 +192,7 @@ impl NodeService {
                 fsname: format!("s3csi:{}", spec.source.bucket),
                 read_only: spec.read_only || spec.config.read_only,
                 allow_other: spec.config.allow_other || spec.config.allow_root,
+                no_default_permissions: spec.config.no_default_permissions,
             },
         };
         tracing::info!(

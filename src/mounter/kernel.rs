@@ -19,6 +19,8 @@ pub struct KernelMount {
     pub read_only: bool,
     /// `allow_other` in the kernel (the mount options allow-other or allow-root).
     pub allow_other: bool,
+    /// No `default_permissions`: the kernel checks no permissions.
+    pub no_default_permissions: bool,
 }
 
 /// Why a mounted file system gave no usage figures.
@@ -81,10 +83,10 @@ impl Kernel for RealKernel {
             .write(true)
             .open("/dev/fuse")?;
         let fd: OwnedFd = dev.into();
-        let mut data = format!(
-            "fd={},rootmode=40000,user_id=0,group_id=0,default_permissions",
-            fd.as_raw_fd()
-        );
+        let mut data = format!("fd={},rootmode=40000,user_id=0,group_id=0", fd.as_raw_fd());
+        if !m.no_default_permissions {
+            data.push_str(",default_permissions");
+        }
         if m.allow_other {
             data.push_str(",allow_other");
         }

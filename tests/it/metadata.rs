@@ -287,3 +287,44 @@ fn ignore_metadata_shows_the_mount_defaults() {
     assert_eq!((f.permissions().mode() & 0o7777, f.uid()), (0o700, 5));
     drop(m);
 }
+
+/// Runs `script` (Python) as uid/gid 65534 with `path` as its argument; its stdout, or
+/// the errno name it failed with.
+fn as_nobody(script: &str, path: &Path) -> String {
+    let out = Command::new("python3")
+        .arg("-c")
+        .arg(format!(
+            "import os, sys, errno\nos.setgid(65534); os.setuid(65534)\np = sys.argv[1]\n\
+             try:\n{}\nexcept OSError as e:\n    print(errno.errorcode[e.errno])",
+            script
+                .lines()
+                .map(|l| format!("    {l}\n"))
+                .collect::<String>()
+        ))
+        .arg(path)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// The kernel enforces the stored mode and owner (`default_permissions`) unless the mount
+/// says `--no-default-permissions`; the mode stays stored and shown either way.
+#[test]
+fn default_permissions_can_be_turned_off() {
+    let bucket = new_bucket("meta-perms");
+    let write = "open(p, 'a').write('x'); print(open(p).read())";
+    {
+        let m = Mount::start(&bucket, &["--allow-other"]);
+        sh(&m.dir, "echo secret > f; chmod 600 f");
+        assert_eq!(as_nobody(write, &m.path("f")), "EACCES");
+    }
+    let m = Mount::start(&bucket, &["--allow-other", "--no-default-permissions"]);
+    assert_eq!(as_nobody(write, &m.path("f")), "secret\nx");
+    let f = fs::metadata(m.path("f")).unwrap();
+    assert_eq!((f.permissions().mode() & 0o7777, f.uid()), (0o600, 0));
+}
