@@ -81,6 +81,17 @@ impl S3Fs {
             if self.probe(&p.key, name).await?.is_some() {
                 return Err(FsError::NotDir);
             }
+            // An implicit directory (no marker, only the keys under it) whose last entries
+            // were just removed is gone from S3 already: that is what the caller asked for
+            // (`rm -r` of a tree another client wrote removes each file, then rmdir).
+            let known_dir = self
+                .inodes()
+                .child(parent, name)
+                .is_some_and(|c| c.kind == Kind::Dir);
+            if known_dir {
+                self.inodes().unbind(parent, name);
+                return Ok(());
+            }
             return Err(FsError::NotFound);
         }
         if page.objects.iter().any(|o| o.key != key) {
