@@ -52,7 +52,8 @@ class Known:
 # Known failures, each with its reason (README's semantics table says the same).
 DIR_TIMES = Known("a directory's mtime and ctime do not change when entries are added, removed "
                   "or renamed in it: they are its marker's stored times (or the mount time), "
-                  "and keeping them would cost a PUT of the marker per change")
+                  "and keeping them would cost a PUT of the marker per change (s3fs keeps them "
+                  "only with its update_parent_dir_stat option)")
 RENAME_CTIME = Known("rename keeps the object's stored ctime (the copy carries its metadata "
                      "unchanged); POSIX leaves it open, Linux file systems and s3fs set it")
 UNLINKED_OPEN = Known("a file unlinked while open loses its data for the descriptors still open "
