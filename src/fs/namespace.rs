@@ -81,6 +81,17 @@ impl S3Fs {
             if self.probe(&p.key, name).await?.is_some() {
                 return Err(FsError::NotDir);
             }
+            // An implicit directory (no marker, only the keys under it) whose last entries
+            // were just removed is gone from S3 already: that is what the caller asked for
+            // (`rm -r` of a tree another client wrote removes each file, then rmdir).
+            let known_dir = self
+                .inodes()
+                .child(parent, name)
+                .is_some_and(|c| c.kind == Kind::Dir);
+            if known_dir {
+                self.inodes().unbind(parent, name);
+                return Ok(());
+            }
             return Err(FsError::NotFound);
         }
         if page.objects.iter().any(|o| o.key != key) {
@@ -288,6 +299,24 @@ impl S3Fs {
         for ino in &descendants {
             self.await_pending(*ino).await?;
         }
+        // The copies take the objects' metadata along: pending changes go first, as for a
+        // file. Left to their timer, they could be saved onto the old keys while those are
+        // being copied, and be deleted with them.
+        let concurrency = self.cfg.max_concurrency.max(1);
+        let saving: Vec<_> = std::iter::once(src.ino)
+            .chain(descendants.iter().copied())
+            .map(|ino| async move { (ino, self.save_meta(ino).await) })
+            .collect();
+        let saved: Vec<(u64, FsResult<()>)> = futures::stream::iter(saving)
+            .buffer_unordered(concurrency)
+            .collect()
+            .await;
+        for (ino, e) in saved
+            .into_iter()
+            .filter_map(|(i, r)| r.err().map(|e| (i, e)))
+        {
+            tracing::debug!(ino, error = %e, "metadata not saved before directory rename");
+        }
         let objects = self
             .first_keys(&src_prefix, MAX_DIR_RENAME_OBJECTS + 1)
             .await?;
@@ -295,7 +324,6 @@ impl S3Fs {
             tracing::info!(key = %src_prefix, "directory rename of more than {MAX_DIR_RENAME_OBJECTS} objects refused with EXDEV; mv copies instead");
             return Err(FsError::CrossDevice);
         }
-        let concurrency = self.cfg.max_concurrency.max(1);
         // Owned futures, collected first: a stream that holds a closure over borrowed
         // items is not provably Send for the FUSE adapter's spawn.
         let copying: Vec<_> = objects

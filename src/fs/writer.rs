@@ -396,6 +396,8 @@ impl S3Fs {
                     let mut t = self.inodes();
                     let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
                     i.size = 0;
+                    i.mtime = SystemTime::now();
+                    i.mtime_from_writes = i.meta.is_some();
                     return Ok(self.attr_of(i));
                 }
             }
@@ -406,6 +408,12 @@ impl S3Fs {
                 return Ok(current);
             }
             if size == 0 {
+                // A size change is a change of the data: mtime and ctime are now, also in
+                // the stored metadata that goes with the PUT.
+                if let Some(i) = self.inodes().get_mut(ino) {
+                    i.mtime = SystemTime::now();
+                    i.mtime_from_writes = i.meta.is_some();
+                }
                 let meta = match self.upload_headers(ino) {
                     Some(h) => {
                         self.client
@@ -417,9 +425,9 @@ impl S3Fs {
                 let mut t = self.inodes();
                 let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
                 i.size = 0;
-                i.mtime = SystemTime::now();
                 i.etag = meta.etag;
                 i.validated = Some(Instant::now());
+                i.mtime_from_writes = false; // the PUT stored it
                 return Ok(self.attr_of(i));
             }
         }
@@ -440,6 +448,7 @@ impl S3Fs {
             if let Some(i) = t.get_mut(ino) {
                 i.size = size;
                 i.mtime = SystemTime::now();
+                i.mtime_from_writes = i.meta.is_some();
             }
         }
         if own.is_none() {

@@ -22,5 +22,6 @@ mod metrics;
 mod mount;
 mod parse_props;
 mod pod_mode;
+mod posix;
 mod registration;
 mod s3_server;
