@@ -312,10 +312,20 @@ pub fn run_mount_command(args: MountArgs) -> i32 {
             let _ = nix::mount::umount2(&mountpoint, nix::mount::MntFlags::MNT_DETACH);
         }
     }
-    // The session thread ends when the kernel closes the connection.
-    let _ = background.join();
+    end_session(background);
     tracing::info!("unmounted");
     0
+}
+
+/// Waits for the session thread, which ends when the kernel closes the connection, and
+/// then drops nothing: fuser's `Mount` would unmount the mountpoint *by path* once more,
+/// and by then that path may hold the next mount of the same directory (`umount DIR;
+/// s3csi mount ... DIR` right after), which it would take down.
+fn end_session(background: fuser::BackgroundSession) {
+    while !background.guard.is_finished() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::mem::forget(background);
 }
 
 /// Waits for SIGTERM/SIGINT/SIGHUP (returns its name) or for the session to end because

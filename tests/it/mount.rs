@@ -641,3 +641,45 @@ fn shell_redirections_work_when_the_mounter_sees_no_pids() {
         assert!(!log.contains("refusing"), "{log}");
     }
 }
+
+/// `umount DIR` and at once `s3csi mount ... DIR` again: the old process, ending, must not
+/// take the new mount down with it (fuser unmounted by path once more).
+#[test]
+fn a_remount_right_after_umount_stays_mounted() {
+    let bucket = new_bucket("remount");
+    let start = |dir: &std::path::Path| {
+        let child = Command::new(s3csi_bin())
+            .arg("mount")
+            .arg("--foreground")
+            .args(["--endpoint-url", &s3().endpoint, "--force-path-style"])
+            .args(["--region", "us-east-1"])
+            .arg(&bucket)
+            .arg(dir)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !is_mountpoint(dir) {
+            assert!(Instant::now() < deadline, "not mounted within 30 s");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        child
+    };
+    set_test_env();
+    let dir = scratch_dir("remount");
+    let mut first = start(&dir);
+    nix::mount::umount(&dir).unwrap();
+    let mut second = start(&dir);
+    first.wait().unwrap();
+    // The old process polled for its end every 200 ms; give it time to do harm.
+    std::thread::sleep(Duration::from_millis(600));
+    assert!(is_mountpoint(&dir), "the second mount was taken down");
+    fs::write(dir.join("f"), b"still here").unwrap();
+    assert_eq!(s3_get(&bucket, "f").as_deref(), Some(&b"still here"[..]));
+    unsafe {
+        libc::kill(second.id() as i32, libc::SIGTERM);
+    }
+    second.wait().unwrap();
+    assert!(!is_mountpoint(&dir));
+}
