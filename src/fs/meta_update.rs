@@ -20,6 +20,9 @@ use futures::StreamExt;
 const SAVE_DELAY: Duration = Duration::from_millis(100);
 /// HEADs in flight at once when a listing's metadata is loaded.
 const HEADS_IN_FLIGHT: usize = 64;
+/// HEADs in flight at once for all listings together (a tree walk loads several
+/// directories ahead, see `walk_ahead.rs`): each needs a connection of its own.
+static ALL_HEADS_IN_FLIGHT: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(128);
 /// Longest symlink target (Linux's PATH_MAX).
 const MAX_LINK: usize = 4096;
 
@@ -50,9 +53,10 @@ pub(super) async fn head_batch(
         return;
     }
     let mut heads = futures::stream::iter(todo)
-        .map(
-            |(ino, key, kind)| async move { (ino, kind, client.head_object_with_meta(&key).await) },
-        )
+        .map(|(ino, key, kind)| async move {
+            let _slot = ALL_HEADS_IN_FLIGHT.acquire().await;
+            (ino, kind, client.head_object_with_meta(&key).await)
+        })
         .buffer_unordered(HEADS_IN_FLIGHT);
     while let Some((ino, kind, res)) = heads.next().await {
         let mut t = lock(inodes);

@@ -328,3 +328,123 @@ fn default_permissions_can_be_turned_off() {
     let f = fs::metadata(m.path("f")).unwrap();
     assert_eq!((f.permissions().mode() & 0o7777, f.uid()), (0o600, 0));
 }
+
+/// Strict mode (`--metadata-ttl 0`): whatever another client did through the S3 API just
+/// before is what the mount shows next, as s3fs's "external change" tests expect.
+#[test]
+fn strict_mode_shows_other_clients_changes_at_once() {
+    use std::os::unix::fs::FileTypeExt;
+    let bucket = new_bucket("meta-strict");
+    let c = client(&bucket);
+    let put = |key: &str, body: &'static [u8], meta: &[(&str, &str)]| {
+        let h: s3csi::s3::UserMeta = meta
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        runtime()
+            .block_on(c.put_object_with_meta(key, bytes::Bytes::from_static(body), &h))
+            .unwrap();
+    };
+    let m = Mount::start(&bucket, &["--metadata-ttl", "0"]);
+    let names = || -> Vec<String> {
+        let mut v: Vec<String> = fs::read_dir(&m.dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        v.sort();
+        v
+    };
+    // Created after a negative lookup and after a listing.
+    assert!(fs::metadata(m.path("f")).is_err());
+    assert_eq!(names(), Vec::<String>::new());
+    put("f", b"one", &[]);
+    assert_eq!(fs::read(m.path("f")).unwrap(), b"one");
+    assert_eq!(names(), ["f"]);
+    // Replaced with the same size, then another size.
+    put("f", b"two", &[]);
+    assert_eq!(fs::read(m.path("f")).unwrap(), b"two");
+    put("f", b"three", &[]);
+    assert_eq!(fs::read(m.path("f")).unwrap(), b"three");
+    // Its metadata changed.
+    put("f", b"three", &[("mode", "33152"), ("uid", "4321")]);
+    let a = fs::metadata(m.path("f")).unwrap();
+    assert_eq!((a.permissions().mode() & 0o7777, a.uid()), (0o600, 4321));
+    // Deleted, then re-created.
+    runtime().block_on(c.delete_object("f")).unwrap();
+    assert!(fs::metadata(m.path("f")).is_err());
+    assert_eq!(names(), Vec::<String>::new());
+    put("f", b"back", &[]);
+    assert_eq!(fs::read(m.path("f")).unwrap(), b"back");
+    // A directory, a symlink and a fifo made by another client.
+    put("d/x", b"x", &[]);
+    put("lnk", b"d/x", &[("mode", "41471")]);
+    put("fifo", b"", &[("mode", "4516")]);
+    assert!(fs::metadata(m.path("d")).unwrap().is_dir());
+    assert_eq!(fs::read_link(m.path("lnk")).unwrap(), Path::new("d/x"));
+    assert!(fs::symlink_metadata(m.path("fifo"))
+        .unwrap()
+        .file_type()
+        .is_fifo());
+    assert_eq!(names(), ["d", "f", "fifo", "lnk"]);
+}
+
+/// `cp -a` of a tree with a symlink, an executable, a setgid directory and old times, and
+/// `git clone` of a repository with a symlink and an executable: both keep everything.
+#[test]
+fn cp_a_and_git_clone_keep_symlinks_modes_and_times() {
+    let bucket = new_bucket("meta-cpa");
+    let src = scratch_dir("cpa-src");
+    make_tree(&src);
+    let m = Mount::start(&bucket, &[]);
+    run(Command::new("cp").arg("-a").arg(&src).arg(m.path("copy")));
+    let listing = |dir: &Path| {
+        sh(
+            dir,
+            "find . -printf '%p %y %m %U:%G %s %TY-%Tm-%Td %TH:%TM:%TS %l\\n' | sort",
+        )
+    };
+    // Directory sizes differ by file system.
+    let strip = |s: String| {
+        s.lines()
+            .map(|l| {
+                let f: Vec<&str> = l.split(' ').collect();
+                match f.get(1) {
+                    Some(&"d") => format!("{} {} {} {}", f[0], f[1], f[2], f[3]),
+                    _ => l.to_string(),
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    assert_eq!(strip(listing(&m.path("copy"))), strip(listing(&src)));
+    if Command::new("git").arg("--version").output().is_err() {
+        eprintln!("git not installed: the git part is skipped");
+        return;
+    }
+    let repo = scratch_dir("cpa-repo");
+    sh(
+        &repo,
+        "git init -q; printf '#!/bin/sh\\necho ok\\n' > run.sh; chmod 755 run.sh; \
+         echo data > data.txt; ln -s data.txt link; git add .; \
+         git -c user.name=t -c user.email=t@t commit -qm first",
+    );
+    sh(
+        &m.dir,
+        &format!("git clone -q {} clone", repo.to_str().unwrap()),
+    );
+    let clone = m.path("clone");
+    assert_eq!(sh(&clone, "./run.sh").trim(), "ok");
+    assert_eq!(
+        fs::read_link(clone.join("link")).unwrap(),
+        Path::new("data.txt")
+    );
+    assert_eq!(sh(&clone, "git status --porcelain").trim(), "");
+    assert_eq!(
+        fs::metadata(clone.join("data.txt"))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o111,
+        0
+    );
+}
