@@ -13,7 +13,9 @@
 #   --rtt MS  round-trip time injected by the proxy (default 10; 0 = proxy without delay)
 #   --runs N  runs of s3csi and raw S3 (default 3; medians are reported)
 #   --peer-runs N  runs of s3fs and rclone (default 1: they are slow, ~8 and ~5 min a run)
-#   --only L  which mounts to run (default all three; missing peers are skipped anyway)
+#   --only L  which mounts to run (default all; missing peers are skipped anyway); rclone-w is
+#             rclone with --vfs-cache-mode writes, run on the edit-in-place rows only, each
+#             timed until rclone's upload of the change is done (its close does not wait)
 #   --keep    keep the work directory (logs, moto request log, raw results)
 #   --no-pin  share all CPUs between the S3 server side and the clients (see below)
 # CPUs: with 2 or more, the S3 server side (moto and the latency proxies, which stand for
@@ -27,7 +29,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
-QUICK=0 FULL=0 RTT=10 RUNS="" PEER_RUNS="" ONLY="s3csi s3fs rclone" BUILD=1 KEEP=0 PIN=1
+QUICK=0 FULL=0 RTT=10 RUNS="" PEER_RUNS="" ONLY="s3csi s3fs rclone rclone-w" BUILD=1 KEEP=0 PIN=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
@@ -113,9 +115,9 @@ CLIENTS="raw"
 for fs in $ONLY; do
   case $fs in
     s3csi) CLIENTS="$CLIENTS s3csi" ;;
-    s3fs|rclone)
-      if command -v "$fs" >/dev/null; then CLIENTS="$CLIENTS $fs"
-      else echo "$fs: not installed, skipped (apt-get install $fs)" >>"$NOTES"; fi ;;
+    s3fs|rclone|rclone-w)
+      if command -v "${fs%-w}" >/dev/null; then CLIENTS="$CLIENTS $fs"
+      else echo "$fs: not installed, skipped (apt-get install ${fs%-w})" >>"$NOTES"; fi ;;
     *) echo "unknown mount $fs" >&2; exit 2 ;;
   esac
 done
@@ -140,6 +142,7 @@ for c in $CLIENTS; do
   if [ "$c" != raw ]; then
     log "setup $c: uploading edit.bin ($BIG), the object the edit rows change"
     "$BENCH" raw-write --endpoint "$DIRECT" --bucket "$(bucket "$c")" --key edit.bin --size "$BIG" >/dev/null || exit 1
+    [ "$c" = rclone-w ] && continue   # runs the edit rows only
     log "setup $c: creating $((DIRS * FILES)) objects in $DIRS directories"
     "$BENCH" populate --endpoint "$DIRECT" --bucket "$(bucket "$c")" --prefix tree \
       --dirs "$DIRS" --files "$FILES" >/dev/null || exit 1
@@ -210,6 +213,18 @@ run_timed() { # FS NAME RUN FIELD CMD... : runs CMD, records FIELD of its RESULT
   mark "$fs"
   out=$(timeout "$TMO" "$@" 2>"$WORK/err-$fs-$name-$run.txt")
   local rc=$?
+  if [ "$fs" = rclone-w ] && [ $rc -eq 0 ]; then
+    # rclone's close does not wait for the upload: the row's time runs until it is done
+    # (secs grows by the wait, rows_per_s is recomputed over the longer time).
+    local wait
+    wait=$(rclone_uploaded)
+    out=$(echo "$out" | awk -v w="$wait" '/^RESULT/ {
+        for (i = 2; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = kv[2] }
+        s = v["secs"] + w
+        line = "RESULT secs=" s
+        if ("rows_per_s" in v) line = line " rows_per_s=" (v["rows_per_s"] * v["secs"] / s)
+        print line " upload_wait=" w; next } { print }')
+  fi
   local req
   req=$(count "$fs")
   if [ $rc -ne 0 ]; then
@@ -253,6 +268,20 @@ mount_fs() { # FS RUN
         rclone mount "bench:$b" "$MNT" --config "$WORK/rclone.conf" --vfs-cache-mode off \
         >"$WORK/rclone-$run.log" 2>&1 &
       ;;
+    rclone-w)
+      # Edits staged in rclone's disk cache, uploaded as soon as closed (no write-back delay);
+      # its remote control answers how many uploads are still under way.
+      : >"$WORK/rclone.conf"
+      RC_PORT=$(free_port)
+      env -u AWS_CA_BUNDLE RCLONE_CONFIG_BENCH_TYPE=s3 RCLONE_CONFIG_BENCH_PROVIDER=Other \
+        RCLONE_CONFIG_BENCH_ACCESS_KEY_ID="$AWS_ACCESS_KEY_ID" \
+        RCLONE_CONFIG_BENCH_SECRET_ACCESS_KEY="$AWS_SECRET_ACCESS_KEY" \
+        RCLONE_CONFIG_BENCH_ENDPOINT="http://127.0.0.1:$p" RCLONE_CONFIG_BENCH_REGION=us-east-1 \
+        RCLONE_CONFIG_BENCH_FORCE_PATH_STYLE=true \
+        rclone mount "bench:$b" "$MNT" --config "$WORK/rclone.conf" --vfs-cache-mode writes \
+        --vfs-write-back 0s --cache-dir "$WORK/rclone-cache" \
+        --rc --rc-addr "127.0.0.1:$RC_PORT" --rc-no-auth >"$WORK/rclone-w-$run.log" 2>&1 &
+      ;;
   esac
   FSPID=$!
   for _ in $(seq 150); do
@@ -290,6 +319,35 @@ bench_ls() { # FS RUN TREE NAME
     record "$fs" "$name" "$run" "$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f", b - a }')" "$req"
   fi
   log "  $fs $name: $(tail -1 "$RES" | cut -f4)  [requests: $req]"
+}
+
+# Waits until rclone-w has no upload queued or under way; prints the seconds it waited.
+rclone_uploaded() {
+  local t0 t1 n
+  t0=$(now)
+  for _ in $(seq 3000); do
+    n=$(rclone rc --url "http://127.0.0.1:$RC_PORT" vfs/stats 2>/dev/null | python3 -c '
+import json, sys
+c = json.load(sys.stdin).get("diskCache", {})
+print(c.get("uploadsInProgress", 0) + c.get("uploadsQueued", 0))' 2>/dev/null)
+    [ "$n" = 0 ] && break
+    sleep 0.1
+  done
+  t1=$(now)
+  awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f", b - a }'
+}
+
+# rclone-w: the edit rows only, each until its upload is done.
+bench_rclone_writes() { # RUN
+  local run=$1 sent
+  mount_fs rclone-w "$run" || return
+  log "run $run: rclone-w mounted (pid $FSPID)"
+  sent=$(proxy_bytes rclone-w)
+  run_timed rclone-w edit_append "$run" secs python3 bench/edit_workloads.py append "$MNT/edit.bin" --size 1MiB
+  record rclone-w edit_append_sent "$run" "$(awk -v a="$sent" -v b="$(proxy_bytes rclone-w)" 'BEGIN { printf "%.1f", (b - a) / 1048576 }')"
+  run_timed rclone-w edit_random "$run" secs python3 bench/edit_workloads.py random-writes "$MNT/edit.bin" --n 1000
+  run_timed rclone-w sqlite "$run" rows_per_s python3 bench/edit_workloads.py sqlite "$MNT/db-$run.sqlite" --rows "$SQL_N"
+  umount_fs
 }
 
 bench_mount() { # FS RUN
@@ -347,6 +405,7 @@ for run in $(seq "$RUNS"); do
   for c in $CLIENTS; do
     case $c in
       raw) bench_raw "$run" ;;
+      rclone-w) [ "$run" -le "$PEER_RUNS" ] && bench_rclone_writes "$run" ;;
       s3csi) bench_mount "$c" "$run" ;;
       *) [ "$run" -le "$PEER_RUNS" ] && bench_mount "$c" "$run" ;;
     esac
