@@ -6,7 +6,8 @@
 //! descriptor) and over the ones it refuses (links), checked against an in-memory model
 //! after every operation through the mount, and against S3 at the end.
 //!
-//! Quick by default (300 steps); `S3CSI_FULL=1` runs 3000. `S3CSI_SEED=N` replays.
+//! Quick by default (300 steps); `S3CSI_FULL=1` runs until 100 000 operations were
+//! checked. `S3CSI_SEED=N` replays.
 
 use crate::common;
 
@@ -31,6 +32,7 @@ struct Fsx<'a> {
     bytes_checked: u64,
     /// What was done, for the failure message.
     history: Vec<String>,
+    steps: u64,
 }
 
 fn errno(e: &std::io::Error) -> i32 {
@@ -162,6 +164,7 @@ impl Fsx<'_> {
     }
 
     fn step(&mut self) {
+        self.steps += 1;
         let files = self.files();
         let roll = self.rng.below(100);
         match roll {
@@ -592,7 +595,8 @@ impl Fsx<'_> {
 
 #[test]
 fn random_operations_match_the_model() {
-    let ops = if full_run() { 3000 } else { 300 };
+    // Steps in the quick run; the full run goes on until 100 000 operations were checked.
+    let (quick_steps, full_ops) = (300, 100_000);
     let bucket = new_bucket("fsx");
     let m = Mount::start(&bucket, &["--part-size", "5MiB"]);
     fs::create_dir(m.path("d1")).unwrap();
@@ -603,9 +607,17 @@ fn random_operations_match_the_model() {
         counts: BTreeMap::new(),
         bytes_checked: 0,
         history: Vec::new(),
+        steps: 0,
     };
     let start = Instant::now();
-    for i in 0..ops {
+    for i in 0.. {
+        let done = match full_run() {
+            true => fsx.counts.values().sum::<u64>() >= full_ops,
+            false => i >= quick_steps,
+        };
+        if done {
+            break;
+        }
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             fsx.step();
             if i % 10 == 0 {
@@ -623,7 +635,7 @@ fn random_operations_match_the_model() {
     }
     fsx.check_tree();
     let model = fsx.model.clone();
-    let (counts, checked) = (fsx.counts.clone(), fsx.bytes_checked);
+    let (counts, checked, steps) = (fsx.counts.clone(), fsx.bytes_checked, fsx.steps);
     drop(m);
     // S3 holds exactly the model: file keys with their bytes, a marker per directory.
     let mut s3_bytes = 0;
@@ -648,7 +660,7 @@ fn random_operations_match_the_model() {
     assert!(open_multipart_uploads(&bucket).is_empty());
     let total: u64 = counts.values().sum();
     eprintln!(
-        "fsx: {ops} steps ({total} operations) in {:?}: {counts:?}; {checked} bytes checked \
+        "fsx: {steps} steps ({total} operations) in {:?}: {counts:?}; {checked} bytes checked \
          through the mount, {s3_bytes} bytes in {} keys checked in S3",
         start.elapsed(),
         got_keys.len()
