@@ -194,7 +194,7 @@ impl S3Fs {
                 .rename_dir(&src, new_parent, &dst_dir, new_name, no_replace)
                 .await;
         }
-        if src.being_written() {
+        if !self.writing_settled(src.ino).await {
             return Err(FsError::Busy(
                 "rename of a file that is still being written",
             ));
@@ -213,8 +213,7 @@ impl S3Fs {
                 if a.kind == Kind::Dir {
                     return Err(FsError::IsDir);
                 }
-                let busy = self.inodes().get(a.ino).is_some_and(|i| i.being_written());
-                if busy {
+                if !self.writing_settled(a.ino).await {
                     return Err(FsError::Busy("rename onto a file that is being written"));
                 }
             }
@@ -243,6 +242,23 @@ impl S3Fs {
             i.meta_stamp = None;
         }
         Ok(())
+    }
+
+    /// True once `ino` is not being written. close(2) waits for our FLUSH (which commits)
+    /// but not for the RELEASE that ends the writing state: a rename right after the last
+    /// close may arrive first, so a writing state is given up to `RELEASE_WAIT` to end.
+    async fn writing_settled(&self, ino: u64) -> bool {
+        let deadline = Instant::now() + RELEASE_WAIT;
+        loop {
+            let writing = self.inodes().get(ino).is_some_and(|i| i.being_written());
+            if !writing {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
     }
 
     /// Renames a directory as S3 allows: every object under it is copied on the server
@@ -443,3 +459,5 @@ struct ListedKey {
 /// Above this many objects a directory rename is refused with EXDEV (`mv` then copies
 /// file by file, showing progress, and can be interrupted).
 const MAX_DIR_RENAME_OBJECTS: usize = 10_000;
+/// How long a rename waits for the RELEASE of a file just closed (see `writing_settled`).
+const RELEASE_WAIT: Duration = Duration::from_secs(1);

@@ -22,6 +22,7 @@ use super::ranges::RangeSet;
 use super::upload::{UploadBudget, MIN_PART};
 use crate::s3::{CompletedPart, ObjectClient, ObjectMeta, S3Error, UserMeta, WriteCondition};
 use bytes::Bytes;
+use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -32,6 +33,14 @@ use std::sync::Arc;
 /// Smallest ranged GET that brings back bytes of the old version: 4 KiB page reads of a
 /// database then cost one GET per MiB, not one per page.
 const FETCH_BLOCK: u64 = 1024 * 1024;
+/// Fills (each waited for by a write or a read) after which a file up to
+/// `WHOLE_FILL_MAX` is fetched whole: scattered edits (a database, 1000 random writes)
+/// then wait for S3 a few times, not once per MiB they touch.
+const FILLS_BEFORE_WHOLE: u32 = 4;
+const WHOLE_FILL_MAX: u64 = 512 * 1024 * 1024;
+/// A fill's GETs: at most this long each, this many in flight.
+const FILL_GET_MAX: u64 = 8 * 1024 * 1024;
+const FILL_GETS_IN_FLIGHT: usize = 4;
 /// Largest range one UploadPartCopy copies.
 const COPY_PART: u64 = 512 * 1024 * 1024;
 const MAX_PARTS: u64 = 10_000;
@@ -233,6 +242,8 @@ pub struct StagedFile {
     discarded: bool,
     /// What the sidecar says now.
     sidecar_clean: bool,
+    /// Fills that sent a GET (see `FILLS_BEFORE_WHOLE`).
+    fills: u32,
 }
 
 impl StagedFile {
@@ -285,6 +296,7 @@ impl StagedFile {
             resized: false,
             discarded: false,
             sidecar_clean: true,
+            fills: 0,
         })
     }
 
@@ -465,10 +477,18 @@ impl StagedFile {
         end: u64,
     ) -> FsResult<Vec<(u64, Bytes)>> {
         let mut unkept = Vec::new();
-        let limit = end.min(self.fetch_limit);
-        if start >= limit {
+        let (mut start, mut limit) = (start, end.min(self.fetch_limit));
+        if start >= limit || self.present.covered(start, limit) == limit - start {
             return Ok(unkept);
         }
+        let missing = self.fetch_limit - self.present.covered(0, self.fetch_limit);
+        if self.fills >= FILLS_BEFORE_WHOLE
+            && self.fetch_limit <= WHOLE_FILL_MAX
+            && self.area.used() + missing <= self.area.limit
+        {
+            (start, limit) = (0, self.fetch_limit);
+        }
+        self.fills += 1;
         let mut gets: Vec<(u64, u64)> = Vec::new();
         for (s, e) in self.present.gaps(start, limit) {
             let s = s - s % FETCH_BLOCK;
@@ -481,12 +501,25 @@ impl StagedFile {
                 _ => gets.push((s, e)),
             }
         }
-        for (s, e) in gets {
-            let body = match &self.base_etag {
-                Some(etag) => client.get_range_if_match(&self.key, etag, s, e).await,
-                None => client.get_range(&self.key, s, e).await,
-            }
-            .map_err(|err| match err {
+        let pieces = gets.into_iter().flat_map(|(s, e)| {
+            (s..e)
+                .step_by(FILL_GET_MAX as usize)
+                .map(move |at| (at, (at + FILL_GET_MAX).min(e)))
+        });
+        // Owned copies: the stream must not borrow `self`, which each answer changes.
+        let (key, etag) = (self.key.clone(), self.base_etag.clone());
+        let (key, etag) = (&key, &etag);
+        let mut bodies = futures::stream::iter(pieces)
+            .map(|(s, e)| async move {
+                let body = match etag {
+                    Some(etag) => client.get_range_if_match(key, etag, s, e).await,
+                    None => client.get_range(key, s, e).await,
+                };
+                (s, e, body)
+            })
+            .buffered(FILL_GETS_IN_FLIGHT);
+        while let Some((s, e, body)) = bodies.next().await {
+            let body = body.map_err(|err| match err {
                 S3Error::PreconditionFailed | S3Error::NotFound => FsError::Stale,
                 other => FsError::S3(other),
             })?;
@@ -802,6 +835,44 @@ mod tests {
         );
         assert!(area.used() <= 3 * 5 * MIB + 8, "kept {} bytes", area.used());
         assert_eq!(mem.open_uploads(), 0);
+    }
+
+    #[tokio::test]
+    async fn scattered_writes_fetch_the_whole_file_after_a_few_fills() {
+        let mem = Arc::new(MemClient::new());
+        let old = pattern(30 * MIB, 3);
+        mem.insert("db", old.clone());
+        let area = StagingArea::temporary(u64::MAX).unwrap();
+        let client: Arc<dyn ObjectClient> = mem.clone();
+        let mut f = staged(&mem, &area, "db").await;
+        let mut want = old.clone();
+        let ats = (0..=FILLS_BEFORE_WHOLE as u64).map(|i| i * 7 * MIB / 2 + 4096 * i);
+        for (n, at) in ats.enumerate() {
+            f.write_through(&client, at, b"PAGE").await.unwrap();
+            want[at as usize..at as usize + 4].copy_from_slice(b"PAGE");
+            let whole = f.present.covered(0, f.size) == f.size;
+            assert_eq!(whole, n as u32 == FILLS_BEFORE_WHOLE, "after write {n}");
+        }
+        // Every later write and read is local; nothing fetched overwrote an edit.
+        assert_eq!(&f.read(&client, 0, 30 * MIB).await.unwrap()[..], &want[..]);
+        f.commit(&cfg(&mem), None).await.unwrap().unwrap();
+        assert_eq!(mem.get("db").unwrap().as_ref(), &want[..]);
+    }
+
+    /// Past `WHOLE_FILL_MAX` (or the space left), fills stay the size of what is asked.
+    #[tokio::test]
+    async fn a_file_that_does_not_fit_is_never_fetched_whole() {
+        let mem = Arc::new(MemClient::new());
+        mem.insert("big", pattern(20 * MIB, 4));
+        let area = StagingArea::temporary(12 * MIB).unwrap();
+        let client: Arc<dyn ObjectClient> = mem.clone();
+        let mut f = staged(&mem, &area, "big").await;
+        for i in 0..8 {
+            f.write_through(&client, i * 2 * MIB + 10, b"x")
+                .await
+                .unwrap();
+        }
+        assert_eq!(f.present.covered(0, f.size), 8 * MIB);
     }
 
     #[tokio::test]

@@ -590,6 +590,42 @@ async fn a_lookup_miss_lists_the_directory_for_its_siblings() {
     );
 }
 
+/// close(2) waits for FLUSH (the commit) but not for RELEASE: a rename onto (or of) a
+/// file whose last descriptor was just closed must not fail with EBUSY because its
+/// RELEASE is still on its way (fsx's full run found it).
+#[tokio::test]
+async fn a_rename_right_after_the_last_close_waits_for_the_release() {
+    let mem = Arc::new(MemClient::new());
+    mem.insert("t", "old");
+    mem.insert("s", "src");
+    let fs = Arc::new(fs_with(mem.clone(), ""));
+    let t = fs.lookup(ROOT, "t").await.unwrap();
+    let append = OpenMode {
+        write: true,
+        truncate: false,
+        append: true,
+    };
+    // Two writers: the second stages the file.
+    let (a, b) = (
+        fs.open(t.ino, append).await.unwrap(),
+        fs.open(t.ino, append).await.unwrap(),
+    );
+    fs.write(a, 3, b"+a", Some(1)).await.unwrap();
+    fs.write(b, 5, b"+b", Some(2)).await.unwrap();
+    fs.flush(a, 1).await.unwrap();
+    fs.flush(b, 2).await.unwrap();
+    assert_eq!(mem.get("t").unwrap().as_ref(), b"old+a+b");
+    let late = fs.clone();
+    let releases = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        late.release(a).await.unwrap();
+        late.release(b).await.unwrap();
+    });
+    fs.rename(ROOT, "s", ROOT, "t", false).await.unwrap();
+    releases.await.unwrap();
+    assert_eq!(mem.get("t").unwrap().as_ref(), b"src");
+}
+
 /// LIST says milliseconds where HEAD says whole seconds: a second listing of the same
 /// versions must not forget the metadata the first one loaded (and HEAD it all again).
 #[tokio::test]
