@@ -412,14 +412,59 @@ impl S3Fs {
         dst_prefix: &str,
     ) -> FsResult<bool> {
         let ours = self.first_keys(src_prefix, MAX_DIR_RENAME_OBJECTS).await?;
-        let by_name: HashMap<&str, &Option<String>> = ours
+        let by_name: HashMap<&str, &ListedKey> = ours
             .iter()
-            .map(|o| (&o.key[src_prefix.len()..], &o.etag))
+            .map(|o| (&o.key[src_prefix.len()..], o))
             .collect();
-        Ok(there
-            .iter()
-            .filter(|o| o.key != dst_prefix)
-            .all(|o| o.etag.is_some() && by_name.get(&o.key[dst_prefix.len()..]) == Some(&&o.etag)))
+        // A copy has its source's name, size and ETag, is not older than it, and carries
+        // the same user metadata (CopyObject keeps it). The last test tells a copy from an
+        // unrelated file that merely has the same bytes (two empty files, say): what s3csi
+        // and s3fs write carries its own mtime, to the nanosecond.
+        let secs = |t: SystemTime| {
+            t.duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs())
+        };
+        let mut pairs = Vec::new();
+        for o in there.iter().filter(|o| o.key != dst_prefix) {
+            let Some(src) = by_name.get(&o.key[dst_prefix.len()..]) else {
+                return Ok(false);
+            };
+            let same = o.etag.is_some()
+                && o.etag == src.etag
+                && o.size == src.size
+                && secs(o.mtime) >= secs(src.mtime);
+            if !same {
+                return Ok(false);
+            }
+            pairs.push((src.key.clone(), o.key.clone()));
+        }
+        let concurrency = self.cfg.max_concurrency.max(1);
+        let heads: Vec<_> = pairs
+            .into_iter()
+            .map(|(src, dst)| {
+                let client = self.client.clone();
+                async move {
+                    let (a, b) = futures::join!(
+                        client.head_object_with_meta(&src),
+                        client.head_object_with_meta(&dst)
+                    );
+                    Ok::<bool, S3Error>(a?.1 == b?.1)
+                }
+            })
+            .collect();
+        let same: Vec<Result<bool, S3Error>> = futures::stream::iter(heads)
+            .buffer_unordered(concurrency)
+            .collect()
+            .await;
+        for s in same {
+            match s {
+                Ok(true) => {}
+                // Gone since the listing, or different: not our copy.
+                Ok(false) | Err(S3Error::NotFound) => return Ok(false),
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(true)
     }
 
     /// Up to `max` objects under `prefix`, in key order.
@@ -440,6 +485,7 @@ impl S3Fs {
                 key: o.key,
                 size: o.meta.size,
                 etag: o.meta.etag,
+                mtime: o.meta.mtime,
             }));
             if out.len() >= max || page.next_token.is_none() {
                 out.truncate(max);
@@ -454,6 +500,7 @@ struct ListedKey {
     key: String,
     size: u64,
     etag: Option<String>,
+    mtime: SystemTime,
 }
 
 /// Above this many objects a directory rename is refused with EXDEV (`mv` then copies

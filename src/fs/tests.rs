@@ -626,6 +626,30 @@ async fn a_rename_right_after_the_last_close_waits_for_the_release() {
     assert_eq!(mem.get("t").unwrap().as_ref(), b"src");
 }
 
+/// A non-empty destination is taken over only when it holds copies a rename left; a
+/// file that merely has the same name and bytes (two empty files) keeps it ENOTEMPTY
+/// (fsx's full run found `rename dir` onto such a directory succeeding).
+#[tokio::test]
+async fn a_directory_of_identical_bytes_is_not_taken_for_a_renames_copies() {
+    let mem = Arc::new(MemClient::new());
+    let meta = |t: &str| [("mtime".to_string(), t.to_string())].into_iter().collect();
+    mem.insert_with_meta("a/f", "", meta("1000.5"));
+    mem.insert_with_meta("b/f", "", meta("2000.25"));
+    let fs = fs_with(mem.clone(), "");
+    fs.lookup(ROOT, "a").await.unwrap();
+    fs.lookup(ROOT, "b").await.unwrap();
+    assert!(matches!(
+        fs.rename(ROOT, "a", ROOT, "b", false).await,
+        Err(FsError::NotEmpty)
+    ));
+    // What an interrupted rename leaves (copies with the source's metadata) is taken over.
+    mem.insert_with_meta("c/f", "", meta("1000.5"));
+    fs.lookup(ROOT, "c").await.unwrap();
+    fs.rename(ROOT, "a", ROOT, "c", false).await.unwrap();
+    assert!(mem.get("a/f").is_none());
+    assert!(mem.get("c/f").is_some());
+}
+
 /// LIST says milliseconds where HEAD says whole seconds: a second listing of the same
 /// versions must not forget the metadata the first one loaded (and HEAD it all again).
 #[tokio::test]
