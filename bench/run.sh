@@ -240,6 +240,18 @@ run_timed() { # FS NAME RUN FIELD CMD... : runs CMD, records FIELD of its RESULT
 # ---------------------------------------------------------------- mounts
 MNT=""
 FSPID=""
+# rclone mount of BUCKET through the proxy on PORT, with the given VFS flags
+rclone_mount() { # BUCKET PORT FLAGS...
+  local b=$1 p=$2
+  shift 2
+  : >"$WORK/rclone.conf"
+  env -u AWS_CA_BUNDLE RCLONE_CONFIG_BENCH_TYPE=s3 RCLONE_CONFIG_BENCH_PROVIDER=Other \
+    RCLONE_CONFIG_BENCH_ACCESS_KEY_ID="$AWS_ACCESS_KEY_ID" \
+    RCLONE_CONFIG_BENCH_SECRET_ACCESS_KEY="$AWS_SECRET_ACCESS_KEY" \
+    RCLONE_CONFIG_BENCH_ENDPOINT="http://127.0.0.1:$p" RCLONE_CONFIG_BENCH_REGION=us-east-1 \
+    RCLONE_CONFIG_BENCH_FORCE_PATH_STYLE=true \
+    rclone mount "bench:$b" "$MNT" --config "$WORK/rclone.conf" "$@"
+}
 mount_fs() { # FS RUN
   local fs=$1 run=$2 b p
   b=$(bucket "$fs")
@@ -259,28 +271,15 @@ mount_fs() { # FS RUN
         >"$WORK/s3fs-$run.log" 2>&1 &
       ;;
     rclone)
-      : >"$WORK/rclone.conf"
-      env -u AWS_CA_BUNDLE RCLONE_CONFIG_BENCH_TYPE=s3 RCLONE_CONFIG_BENCH_PROVIDER=Other \
-        RCLONE_CONFIG_BENCH_ACCESS_KEY_ID="$AWS_ACCESS_KEY_ID" \
-        RCLONE_CONFIG_BENCH_SECRET_ACCESS_KEY="$AWS_SECRET_ACCESS_KEY" \
-        RCLONE_CONFIG_BENCH_ENDPOINT="http://127.0.0.1:$p" RCLONE_CONFIG_BENCH_REGION=us-east-1 \
-        RCLONE_CONFIG_BENCH_FORCE_PATH_STYLE=true \
-        rclone mount "bench:$b" "$MNT" --config "$WORK/rclone.conf" --vfs-cache-mode off \
-        >"$WORK/rclone-$run.log" 2>&1 &
+      rclone_mount "$b" "$p" --vfs-cache-mode off >"$WORK/rclone-$run.log" 2>&1 &
       ;;
     rclone-w)
       # Edits staged in rclone's disk cache, uploaded as soon as closed (no write-back delay);
       # its remote control answers how many uploads are still under way.
-      : >"$WORK/rclone.conf"
       RC_PORT=$(free_port)
-      env -u AWS_CA_BUNDLE RCLONE_CONFIG_BENCH_TYPE=s3 RCLONE_CONFIG_BENCH_PROVIDER=Other \
-        RCLONE_CONFIG_BENCH_ACCESS_KEY_ID="$AWS_ACCESS_KEY_ID" \
-        RCLONE_CONFIG_BENCH_SECRET_ACCESS_KEY="$AWS_SECRET_ACCESS_KEY" \
-        RCLONE_CONFIG_BENCH_ENDPOINT="http://127.0.0.1:$p" RCLONE_CONFIG_BENCH_REGION=us-east-1 \
-        RCLONE_CONFIG_BENCH_FORCE_PATH_STYLE=true \
-        rclone mount "bench:$b" "$MNT" --config "$WORK/rclone.conf" --vfs-cache-mode writes \
-        --vfs-write-back 0s --cache-dir "$WORK/rclone-cache" \
-        --rc --rc-addr "127.0.0.1:$RC_PORT" --rc-no-auth >"$WORK/rclone-w-$run.log" 2>&1 &
+      rclone_mount "$b" "$p" --vfs-cache-mode writes --vfs-write-back 0s \
+        --cache-dir "$WORK/rclone-cache" --rc --rc-addr "127.0.0.1:$RC_PORT" --rc-no-auth \
+        >"$WORK/rclone-w-$run.log" 2>&1 &
       ;;
   esac
   FSPID=$!

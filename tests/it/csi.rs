@@ -5,7 +5,9 @@
 use crate::common;
 
 use common::node_service::{mount_cap, publish_req, read, rw, stats_req, CsiServer, Mode, Options};
-use common::{is_mountpoint, new_bucket, scratch_dir, ACCESS_KEY, SECRET_KEY};
+use common::{
+    is_mountpoint, new_bucket, scratch_dir, start_embedded_server, ACCESS_KEY, SECRET_KEY,
+};
 use s3csi::csi::pb::{self, volume_capability as vc};
 use s3csi::s3::aws::AwsClient;
 use s3csi::s3::{ListRequest, ObjectClient};
@@ -1211,19 +1213,11 @@ async fn validate_volume_capabilities_of_a_missing_volume_is_not_found() {
 /// wrong keys), delete.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn controller_volumes_on_the_embedded_s3_server() {
-    use s3csi::s3server::{self, ServerConfig, DEMO_ACCESS_KEY, DEMO_SECRET_KEY};
+    use s3csi::s3server::{DEMO_ACCESS_KEY, DEMO_SECRET_KEY};
     let started = Instant::now();
-    let s3 = s3server::start(ServerConfig {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        dir: scratch_dir("csi-embedded-s3"),
-        access_key: DEMO_ACCESS_KEY.into(),
-        secret_key: DEMO_SECRET_KEY.into(),
-    })
-    .await
-    .expect("start the embedded S3 server");
-    let endpoint = s3.endpoint();
     let bucket = "volumes";
-    s3.store.create_bucket(bucket).unwrap();
+    let s3 = start_embedded_server(bucket).await;
+    let endpoint = s3.endpoint();
     let server = csi_in(scratch_dir("csi"), Mode::All)
         .without_s3_flags()
         .flags(&["--s3-endpoint-url", &endpoint, "--s3-region", "us-east-1"])

@@ -36,10 +36,6 @@ struct Traffic {
     copies: AtomicU64,
 }
 
-fn counting_proxy() -> (Arc<FaultProxy>, Arc<Traffic>) {
-    counting_proxy_to(&s3().endpoint)
-}
-
 fn counting_proxy_to(upstream: &str) -> (Arc<FaultProxy>, Arc<Traffic>) {
     let proxy = FaultProxy::start(upstream, 1);
     let traffic = Arc::new(Traffic::default());
@@ -146,16 +142,7 @@ fn edits_of_a_large_object_send_only_the_edited_parts() {
 /// moto takes half a minute.
 #[test]
 fn edits_of_a_1_gib_object_on_the_embedded_server_send_only_the_edited_parts() {
-    use s3csi::s3server::{self, ServerConfig, DEMO_ACCESS_KEY, DEMO_SECRET_KEY};
-    let server = runtime()
-        .block_on(s3server::start(ServerConfig {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            dir: scratch_dir("edit-s3server"),
-            access_key: DEMO_ACCESS_KEY.into(),
-            secret_key: DEMO_SECRET_KEY.into(),
-        }))
-        .expect("start the embedded S3 server");
-    server.store.create_bucket("edit").expect("create bucket");
+    let server = runtime().block_on(start_embedded_server("edit"));
     let store = &server.store;
     let holds = Holds {
         object: &|| {
@@ -175,10 +162,7 @@ fn edits_of_a_1_gib_object_on_the_embedded_server_send_only_the_edited_parts() {
     edit_a_large_object(
         &server.endpoint(),
         "edit",
-        &[
-            ("AWS_ACCESS_KEY_ID", DEMO_ACCESS_KEY),
-            ("AWS_SECRET_ACCESS_KEY", DEMO_SECRET_KEY),
-        ],
+        &EMBEDDED_KEYS,
         1024 * MIB,
         holds,
     );

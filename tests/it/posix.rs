@@ -7,7 +7,6 @@
 use crate::common;
 
 use common::*;
-use s3csi::s3server::{self, ServerConfig, DEMO_ACCESS_KEY, DEMO_SECRET_KEY};
 use std::path::Path;
 use std::process::Command;
 
@@ -64,23 +63,12 @@ fn posix_conformance_on_moto() {
 
 #[test]
 fn posix_conformance_on_the_embedded_server() {
-    let server = runtime()
-        .block_on(s3server::start(ServerConfig {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            dir: scratch_dir("posix-s3server"),
-            access_key: DEMO_ACCESS_KEY.into(),
-            secret_key: DEMO_SECRET_KEY.into(),
-        }))
-        .expect("start the embedded S3 server");
-    server.store.create_bucket("posix").expect("create bucket");
+    let server = runtime().block_on(start_embedded_server("posix"));
     conformance(
         "the embedded server",
         &server.endpoint(),
         "posix",
-        &[
-            ("AWS_ACCESS_KEY_ID", DEMO_ACCESS_KEY),
-            ("AWS_SECRET_ACCESS_KEY", DEMO_SECRET_KEY),
-        ],
+        &EMBEDDED_KEYS,
     );
     runtime().block_on(server.stop());
 }

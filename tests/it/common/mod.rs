@@ -170,6 +170,28 @@ pub fn new_bucket(hint: &str) -> String {
     name
 }
 
+/// The embedded S3 server on a free loopback port, serving a fresh scratch directory
+/// with one bucket, `bucket`. Mounts sign for it with [`EMBEDDED_KEYS`].
+pub async fn start_embedded_server(bucket: &str) -> s3csi::s3server::RunningServer {
+    use s3csi::s3server::{self, ServerConfig, DEMO_ACCESS_KEY, DEMO_SECRET_KEY};
+    let server = s3server::start(ServerConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        dir: scratch_dir(&format!("{bucket}-s3server")),
+        access_key: DEMO_ACCESS_KEY.into(),
+        secret_key: DEMO_SECRET_KEY.into(),
+    })
+    .await
+    .expect("start the embedded S3 server");
+    server.store.create_bucket(bucket).expect("create bucket");
+    server
+}
+
+/// The environment a mount of the embedded server signs with.
+pub const EMBEDDED_KEYS: [(&str, &str); 2] = [
+    ("AWS_ACCESS_KEY_ID", s3csi::s3server::DEMO_ACCESS_KEY),
+    ("AWS_SECRET_ACCESS_KEY", s3csi::s3server::DEMO_SECRET_KEY),
+];
+
 pub fn s3csi_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_s3csi"))
 }
