@@ -550,7 +550,7 @@ impl InodeTable {
 
 /// A time to the second: HEAD's Last-Modified is an HTTP date (whole seconds) where a
 /// LIST of the same version may say milliseconds (moto, the embedded server).
-fn whole_seconds(t: SystemTime) -> u64 {
+pub(super) fn whole_seconds(t: SystemTime) -> u64 {
     t.duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
 }

@@ -1,7 +1,7 @@
 //! Names to inodes: lookup (HEAD and LIST together), the listing of siblings ahead of
 //! their lookups, getattr, and the kernel forgetting inodes.
 
-use super::meta_update::{head_batch, set_meta_from, unknown_meta};
+use super::meta_update::{head_batch, set_meta_from};
 use super::*;
 use crate::s3::UserMeta;
 
@@ -202,21 +202,10 @@ impl S3Fs {
                         return;
                     }
                 };
-                let heads: Vec<(u64, String, Kind)> = {
-                    let mut t = lock(&inodes);
-                    if t.namespace_changes != changes {
-                        // A rename or unlink since this listing began: its names may be
-                        // stale, and it is only a prefetch.
-                        return;
-                    }
-                    page_entries(&key, &page, dir_mtime)
-                        .into_iter()
-                        .filter_map(|e| {
-                            let child = t.upsert(ino, &e.name, e.kind, e.size, e.mtime, e.etag);
-                            let c = t.get(child).filter(|c| with_meta && unknown_meta(c))?;
-                            Some((c.ino, c.key.clone(), c.kind))
-                        })
-                        .collect()
+                let Some(heads) = absorb_background_page(
+                    &inodes, ino, &key, &page, changes, dir_mtime, with_meta,
+                ) else {
+                    return;
                 };
                 // The siblings' metadata too, so that their lookups cost nothing.
                 head_batch(&client, &inodes, heads, dir_mtime).await;

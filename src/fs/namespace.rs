@@ -420,10 +420,7 @@ impl S3Fs {
         // the same user metadata (CopyObject keeps it). The last test tells a copy from an
         // unrelated file that merely has the same bytes (two empty files, say): what s3csi
         // and s3fs write carries its own mtime, to the nanosecond.
-        let secs = |t: SystemTime| {
-            t.duration_since(SystemTime::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs())
-        };
+        let secs = inode::whole_seconds;
         let mut pairs = Vec::new();
         for o in there.iter().filter(|o| o.key != dst_prefix) {
             let Some(src) = by_name.get(&o.key[dst_prefix.len()..]) else {

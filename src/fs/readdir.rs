@@ -2,6 +2,7 @@
 //! knows yet, buffered so that a full reply buffer loses nothing.
 
 use super::meta::NodeType;
+use super::meta_update::unknown_meta;
 use super::*;
 
 pub(super) struct DirStream {
@@ -69,6 +70,34 @@ pub(super) fn page_entries(
         .collect();
     entries.sort_by(|a, b| a.name.cmp(&b.name));
     entries
+}
+
+/// Puts one LIST page of directory `dir` (key `dir_key`) fetched in the background into
+/// the table. `None`: a name was renamed or removed through the mount since the LIST was
+/// sent (`namespace_changes` was `changes`), so the page may be stale and, being only a
+/// prefetch, is dropped. Otherwise the children whose metadata must still be loaded.
+pub(super) fn absorb_background_page(
+    inodes: &Mutex<InodeTable>,
+    dir: u64,
+    dir_key: &str,
+    page: &ListPage,
+    changes: u64,
+    dir_mtime: SystemTime,
+    with_meta: bool,
+) -> Option<Vec<(u64, String, Kind)>> {
+    let mut t = lock(inodes);
+    if t.namespace_changes != changes {
+        return None;
+    }
+    let heads = page_entries(dir_key, page, dir_mtime)
+        .into_iter()
+        .filter_map(|e| {
+            let child = t.upsert(dir, &e.name, e.kind, e.size, e.mtime, e.etag);
+            let c = t.get(child).filter(|c| with_meta && unknown_meta(c))?;
+            Some((c.ino, c.key.clone(), c.kind))
+        })
+        .collect();
+    Some(heads)
 }
 
 impl S3Fs {

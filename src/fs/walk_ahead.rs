@@ -11,7 +11,7 @@
 //! lists as usual. Memory: at most `DIRS_AHEAD` pages per walk, and the order of the
 //! subdirectories of the `ORDERS_KEPT` directories listed last.
 
-use super::meta_update::{head_batch, unknown_meta};
+use super::meta_update::head_batch;
 use super::*;
 use tokio::sync::OnceCell;
 
@@ -140,22 +140,9 @@ impl S3Fs {
                                 return None;
                             }
                         };
-                        let heads: Vec<(u64, String, Kind)> = {
-                            let mut t = lock(&inodes);
-                            if t.namespace_changes != counters.1 {
-                                return None;
-                            }
-                            page_entries(&key, &page, dir_mtime)
-                                .into_iter()
-                                .filter_map(|e| {
-                                    let child =
-                                        t.upsert(dir, &e.name, e.kind, e.size, e.mtime, e.etag);
-                                    let c =
-                                        t.get(child).filter(|c| with_meta && unknown_meta(c))?;
-                                    Some((c.ino, c.key.clone(), c.kind))
-                                })
-                                .collect()
-                        };
+                        let heads = absorb_background_page(
+                            &inodes, dir, &key, &page, counters.1, dir_mtime, with_meta,
+                        )?;
                         head_batch(&client, &inodes, heads, dir_mtime).await;
                         Some(page)
                     })
