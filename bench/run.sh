@@ -14,8 +14,9 @@
 #   --runs N  runs of s3csi and raw S3 (default 3; medians are reported)
 #   --peer-runs N  runs of s3fs and rclone (default 1: they are slow, ~8 and ~5 min a run)
 #   --only L  which mounts to run (default all; missing peers are skipped anyway); rclone-w is
-#             rclone with --vfs-cache-mode writes, run on the edit-in-place rows only, each
-#             timed until rclone's upload of the change is done (its close does not wait)
+#             rclone with --vfs-cache-mode writes and s3csi-wb is s3csi with --write-back
+#             50ms, both run on the edit-in-place rows only, each timed until the upload of
+#             the change is done (their close does not wait)
 #   --keep    keep the work directory (logs, moto request log, raw results)
 #   --no-pin  share all CPUs between the S3 server side and the clients (see below)
 # CPUs: with 2 or more, the S3 server side (moto and the latency proxies, which stand for
@@ -29,7 +30,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
-QUICK=0 FULL=0 RTT=10 RUNS="" PEER_RUNS="" ONLY="s3csi s3fs rclone rclone-w" BUILD=1 KEEP=0 PIN=1
+QUICK=0 FULL=0 RTT=10 RUNS="" PEER_RUNS="" ONLY="s3csi s3csi-wb s3fs rclone rclone-w" BUILD=1 KEEP=0 PIN=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
@@ -114,7 +115,7 @@ curl -s -o /dev/null "$DIRECT" || { echo "moto did not start" >&2; exit 1; }
 CLIENTS="raw"
 for fs in $ONLY; do
   case $fs in
-    s3csi) CLIENTS="$CLIENTS s3csi" ;;
+    s3csi|s3csi-wb) CLIENTS="$CLIENTS $fs" ;;
     s3fs|rclone|rclone-w)
       if command -v "${fs%-w}" >/dev/null; then CLIENTS="$CLIENTS $fs"
       else echo "$fs: not installed, skipped (apt-get install ${fs%-w})" >>"$NOTES"; fi ;;
@@ -142,7 +143,7 @@ for c in $CLIENTS; do
   if [ "$c" != raw ]; then
     log "setup $c: uploading edit.bin ($BIG), the object the edit rows change"
     "$BENCH" raw-write --endpoint "$DIRECT" --bucket "$(bucket "$c")" --key edit.bin --size "$BIG" >/dev/null || exit 1
-    [ "$c" = rclone-w ] && continue   # runs the edit rows only
+    case $c in rclone-w|s3csi-wb) continue ;; esac   # they run the edit rows only
     log "setup $c: creating $((DIRS * FILES)) objects in $DIRS directories"
     "$BENCH" populate --endpoint "$DIRECT" --bucket "$(bucket "$c")" --prefix tree \
       --dirs "$DIRS" --files "$FILES" >/dev/null || exit 1
@@ -213,11 +214,11 @@ run_timed() { # FS NAME RUN FIELD CMD... : runs CMD, records FIELD of its RESULT
   mark "$fs"
   out=$(timeout "$TMO" "$@" 2>"$WORK/err-$fs-$name-$run.txt")
   local rc=$?
-  if [ "$fs" = rclone-w ] && [ $rc -eq 0 ]; then
-    # rclone's close does not wait for the upload: the row's time runs until it is done
+  if { [ "$fs" = rclone-w ] || [ "$fs" = s3csi-wb ]; } && [ $rc -eq 0 ]; then
+    # Their close does not wait for the upload: the row's time runs until it is done
     # (secs grows by the wait, rows_per_s is recomputed over the longer time).
     local wait
-    wait=$(rclone_uploaded)
+    if [ "$fs" = rclone-w ]; then wait=$(rclone_uploaded); else wait=$(s3csi_uploaded); fi
     out=$(echo "$out" | awk -v w="$wait" '/^RESULT/ {
         for (i = 2; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = kv[2] }
         s = v["secs"] + w
@@ -263,6 +264,12 @@ mount_fs() { # FS RUN
       # shellcheck disable=SC2086 # S3CSI_ARGS: extra mount flags, split on spaces
       "$S3CSI" mount --foreground --endpoint-url "http://127.0.0.1:$p" --force-path-style \
         ${S3CSI_ARGS:-} --log-file "$WORK/s3csi-$run.log" "$b" "$MNT" >>"$WORK/s3csi-$run.log" 2>&1 &
+      ;;
+    s3csi-wb)
+      # shellcheck disable=SC2086
+      "$S3CSI" mount --foreground --endpoint-url "http://127.0.0.1:$p" --force-path-style \
+        --write-back 50ms --cache-dir "$WORK/cache-wb" ${S3CSI_ARGS:-} \
+        --log-file "$WORK/s3csi-wb-$run.log" "$b" "$MNT" >>"$WORK/s3csi-wb-$run.log" 2>&1 &
       ;;
     s3fs)
       printf '%s:%s\n' "$AWS_ACCESS_KEY_ID" "$AWS_SECRET_ACCESS_KEY" >"$WORK/passwd-s3fs"
@@ -321,31 +328,53 @@ bench_ls() { # FS RUN TREE NAME
 }
 
 # Waits until rclone-w has no upload queued or under way; prints the seconds it waited.
+# rclone may report idle for a moment before its write-back queues the close's upload (a
+# 1 GiB append's upload then landed in the next row), so it must report idle twice, 0.3 s
+# apart; the second look's wait is not counted.
 rclone_uploaded() {
-  local t0 t1 n
+  local t0 t1 n idle=0
   t0=$(now)
-  for _ in $(seq 3000); do
+  for _ in $(seq 6000); do
     n=$(rclone rc --url "http://127.0.0.1:$RC_PORT" vfs/stats 2>/dev/null | python3 -c '
 import json, sys
 c = json.load(sys.stdin).get("diskCache", {})
 print(c.get("uploadsInProgress", 0) + c.get("uploadsQueued", 0))' 2>/dev/null)
-    [ "$n" = 0 ] && break
-    sleep 0.1
+    if [ "$n" = 0 ]; then
+      idle=$((idle + 1))
+      [ "$idle" -ge 2 ] && break
+      sleep 0.3
+    else
+      idle=0
+      sleep 0.05
+    fi
+  done
+  t1=$(now)
+  awk -v a="$t0" -v b="$t1" 'BEGIN { v = b - a - 0.3; printf "%.3f", v < 0 ? 0 : v }'
+}
+
+# Waits until s3csi-wb keeps no edit for upload (its cache dir holds no staged file);
+# prints the seconds it waited.
+s3csi_uploaded() {
+  local t0 t1
+  t0=$(now)
+  for _ in $(seq 30000); do
+    compgen -G "$WORK/cache-wb/*.staged" >/dev/null || break
+    sleep 0.01
   done
   t1=$(now)
   awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f", b - a }'
 }
 
-# rclone-w: the edit rows only, each until its upload is done.
-bench_rclone_writes() { # RUN
-  local run=$1 sent
-  mount_fs rclone-w "$run" || return
-  log "run $run: rclone-w mounted (pid $FSPID)"
-  sent=$(proxy_bytes rclone-w)
-  run_timed rclone-w edit_append "$run" secs python3 bench/edit_workloads.py append "$MNT/edit.bin" --size 1MiB
-  record rclone-w edit_append_sent "$run" "$(awk -v a="$sent" -v b="$(proxy_bytes rclone-w)" 'BEGIN { printf "%.1f", (b - a) / 1048576 }')"
-  run_timed rclone-w edit_random "$run" secs python3 bench/edit_workloads.py random-writes "$MNT/edit.bin" --n 1000
-  run_timed rclone-w sqlite "$run" rows_per_s python3 bench/edit_workloads.py sqlite "$MNT/db-$run.sqlite" --rows "$SQL_N"
+# rclone-w, s3csi-wb: the edit rows only, each until its upload is done.
+bench_edits() { # FS RUN
+  local fs=$1 run=$2 sent
+  mount_fs "$fs" "$run" || return
+  log "run $run: $fs mounted (pid $FSPID)"
+  sent=$(proxy_bytes "$fs")
+  run_timed "$fs" edit_append "$run" secs python3 bench/edit_workloads.py append "$MNT/edit.bin" --size 1MiB
+  record "$fs" edit_append_sent "$run" "$(awk -v a="$sent" -v b="$(proxy_bytes "$fs")" 'BEGIN { printf "%.1f", (b - a) / 1048576 }')"
+  run_timed "$fs" edit_random "$run" secs python3 bench/edit_workloads.py random-writes "$MNT/edit.bin" --n 1000
+  run_timed "$fs" sqlite "$run" rows_per_s python3 bench/edit_workloads.py sqlite "$MNT/db-$run.sqlite" --rows "$SQL_N"
   umount_fs
 }
 
@@ -404,7 +433,8 @@ for run in $(seq "$RUNS"); do
   for c in $CLIENTS; do
     case $c in
       raw) bench_raw "$run" ;;
-      rclone-w) [ "$run" -le "$PEER_RUNS" ] && bench_rclone_writes "$run" ;;
+      rclone-w) [ "$run" -le "$PEER_RUNS" ] && bench_edits rclone-w "$run" ;;
+      s3csi-wb) bench_edits s3csi-wb "$run" ;;
       s3csi) bench_mount "$c" "$run" ;;
       *) [ "$run" -le "$PEER_RUNS" ] && bench_mount "$c" "$run" ;;
     esac

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what the test suite needs and is missing, on Debian 12 (root): fuse3, curl,
-# python3 + pip, git, the moto S3 server, the chart test tools and the e2e harness's. Quick
+# python3 + pip, git, rsync, the moto S3 server, the chart test tools and the e2e harness's. Quick
 # when all is there
 # (one `pip install` that finds everything satisfied). Called by test.sh.
 set -euo pipefail
@@ -16,6 +16,7 @@ command -v unshare >/dev/null || need_apt+=(util-linux)
 # Real programs the edit-in-place tests run on a mount.
 command -v git >/dev/null || need_apt+=(git)
 command -v tar >/dev/null || need_apt+=(tar)
+command -v rsync >/dev/null || need_apt+=(rsync)
 command -v python3 >/dev/null || need_apt+=(python3 python3-pip)
 if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get update -qq

@@ -256,6 +256,8 @@ pub fn run_mount_command(args: MountArgs) -> i32 {
     if let Err(e) = fs.open_staging() {
         return fail(&mut ready, format!("cannot use the cache directory: {e}"));
     }
+    rt.block_on(fs.upload_recovered());
+    fs.start_background(rt.handle());
     let adapter = FuseAdapter::new(fs.clone(), rt.handle().clone());
     let mut options = vec![
         fuser::MountOption::FSName(format!("s3csi:{}", cfg.source.bucket)),
@@ -452,6 +454,8 @@ fn run_handoff(args: &MountArgs, cfg: &MountConfig, dir: &Path) -> i32 {
     if let Err(e) = fs.open_staging() {
         return fail(format!("cannot use the cache directory: {e}"));
     }
+    rt.block_on(fs.upload_recovered());
+    fs.start_background(rt.handle());
     let metrics = mounter_metrics(&s3_metrics, &fs);
     // The kernel enforces access (allow_other or only root, set by the node service).
     let acl = if cfg.allow_root && !cfg.allow_other {

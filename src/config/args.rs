@@ -311,6 +311,9 @@ mod tests {
                 _ => Duration::from_nanos(rng.below(86_400 * 365 * 1_000_000_000)),
             };
         }
+        if rng.chance() {
+            c.write_back = Some(Duration::from_millis(rng.below(100_000)));
+        }
         let mib = crate::config::units::MIB;
         if rng.chance() {
             c.part_size = 5 * mib + rng.below(5 * 1024 * mib - 5 * mib + 1);

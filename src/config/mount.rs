@@ -140,6 +140,9 @@ pub struct MountConfig {
     pub page_cache: bool,
     /// Local space staged files (edits in place) may take together.
     pub cache_size: u64,
+    /// Edits in place are uploaded this long after their last close/fsync, which return
+    /// once the edit is on local disk (default: close and fsync upload).
+    pub write_back: Option<Duration>,
     /// Stored POSIX metadata is neither shown nor written (default: it is, as s3fs does).
     pub ignore_metadata: bool,
     pub debug: bool,
@@ -163,6 +166,7 @@ impl MountConfig {
             sync_delete: false,
             page_cache: false,
             ignore_metadata: false,
+            write_back: None,
             debug: false,
             // Placeholders, each replaced by its table default just below.
             file_mode: 0,
@@ -330,6 +334,9 @@ impl MountConfig {
             SyncCreate => self.sync_create = switch()?,
             PageCache => self.page_cache = switch()?,
             CacheSize => self.cache_size = parse_size(text()?).map_err(|e| invalid(key, e))?,
+            WriteBack => {
+                self.write_back = Some(parse_duration(text()?).map_err(|e| invalid(key, e))?)
+            }
             IgnoreMetadata => self.ignore_metadata = switch()?,
             Debug => self.debug = switch()?,
             // Settings of the `s3csi mount` process, not of the mount (`MountArgs` has them).
@@ -369,6 +376,7 @@ impl MountConfig {
             SyncCreate => on(self.sync_create),
             PageCache => on(self.page_cache),
             CacheSize => Some(format_size(self.cache_size)),
+            WriteBack => self.write_back.map(format_duration),
             IgnoreMetadata => on(self.ignore_metadata),
             Debug => on(self.debug),
             Foreground | LogFile | CacheDir => None,

@@ -29,6 +29,7 @@ pub enum OptionId {
     PageCache,
     CacheDir,
     CacheSize,
+    WriteBack,
     IgnoreMetadata,
     Foreground,
     LogFile,
@@ -392,6 +393,15 @@ pub static MOUNT_OPTIONS: &[OptionSpec] = &[
         "SIZE",
         Value("10GiB"),
         "Local disk space files edited in place may take together; past it, writes get ENOSPC",
+    ),
+    OptionSpec::text(
+        Id::WriteBack,
+        "write-back",
+        "DELAY",
+        Described("off: close and fsync return once S3 has the file"),
+        "Files edited in place are uploaded DELAY after their last close or fsync, which then \
+         return once the edit is on local disk (fsync'd); a crashed mount uploads it when it \
+         starts again. Trades durability in S3 for local-disk speed (SQLite, editors), e.g. 0s, 2s",
     ),
     OptionSpec::switch(
         Id::IgnoreMetadata,

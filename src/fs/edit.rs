@@ -10,8 +10,14 @@
 
 use super::staging::{CommitConfig, StagedFile, StagingArea};
 use super::*;
+use futures::StreamExt;
 
 pub(super) type Staged = Arc<tokio::sync::Mutex<StagedFile>>;
+
+/// `--write-back` uploads sent at once.
+const WRITE_BACKS_IN_FLIGHT: usize = 16;
+/// Longest wait before a failed write-back upload is tried again.
+const WRITE_BACK_RETRY_MAX: Duration = Duration::from_secs(300);
 
 impl S3Fs {
     /// The mount's staging area, created at first use (or by `open_staging`).
@@ -203,9 +209,15 @@ impl S3Fs {
     }
 
     /// The last close of a staged file: a final commit, then the copy goes. Data a
-    /// final commit could not write is kept in lost+found.
+    /// final commit could not write is kept in lost+found. With `--write-back` the copy
+    /// stays, kept for its upload (`settle_staged`).
     pub(super) async fn release_staged(&self, ino: u64, s: &Staged, last: bool) -> FsResult<()> {
         if !last {
+            return Ok(());
+        }
+        if self.keeps_for_write_back(ino, s) {
+            self.settle_staged(ino, s, false).await?;
+            self.schedule_write_back(ino, self.cfg.write_back.unwrap_or_default(), 0);
             return Ok(());
         }
         let result = self.commit_staged(ino, s).await;
@@ -221,6 +233,141 @@ impl S3Fs {
         }
         self.unstage(ino, s);
         result
+    }
+
+    /// close(2) and fsync(2) of a staged file: commits it, or with `--write-back` keeps
+    /// it on local disk (`durable`: synced, for fsync) for an upload `write_back` after
+    /// the last close (`release_staged`, `run_write_back`). A copy no longer registered
+    /// for its inode (unstaged while a handle still held it) is committed at once.
+    pub(super) async fn settle_staged(&self, ino: u64, s: &Staged, durable: bool) -> FsResult<()> {
+        if !self.keeps_for_write_back(ino, s) {
+            return self.commit_staged(ino, s).await;
+        }
+        let headers = self.upload_headers(ino);
+        s.lock()
+            .await
+            .keep_for_upload(&self.client, durable, headers)
+            .await
+    }
+
+    pub(super) fn keeps_for_write_back(&self, ino: u64, s: &Staged) -> bool {
+        self.cfg.write_back.is_some()
+            && !self.stopping.load(Ordering::SeqCst)
+            && lock(&self.staged)
+                .get(&ino)
+                .is_some_and(|cur| Arc::ptr_eq(cur, s))
+    }
+
+    /// Due for upload `after` from now (an earlier due time is replaced: the delay runs
+    /// from the last close); `failures`: uploads of it that failed so far.
+    pub(super) fn schedule_write_back(&self, ino: u64, after: Duration, failures: u32) {
+        lock(&self.write_back).insert(ino, (Instant::now() + after, failures));
+        self.write_back_wake.notify_one();
+    }
+
+    /// `--write-back`: uploads kept edits once due, several at once. A failed upload is
+    /// tried again later (5 s, doubling to 5 min); a conflict goes to lost+found (see
+    /// `commit_staged`); whatever is still kept at unmount is committed by `flush_all`.
+    pub(super) async fn run_write_back(self: Arc<Self>) {
+        loop {
+            let now = Instant::now();
+            let (due, next) = {
+                let mut wb = lock(&self.write_back);
+                let due: Vec<(u64, u32)> = wb
+                    .iter()
+                    .filter(|(_, (at, _))| *at <= now)
+                    .map(|(ino, (_, n))| (*ino, *n))
+                    .collect();
+                for (ino, _) in &due {
+                    wb.remove(ino);
+                }
+                (due, wb.values().map(|(at, _)| *at).min())
+            };
+            futures::stream::iter(due)
+                .for_each_concurrent(WRITE_BACKS_IN_FLIGHT, |(ino, failures)| {
+                    let fs = self.clone();
+                    async move { fs.write_back_now(ino, failures).await }
+                })
+                .await;
+            let wake = self.write_back_wake.notified();
+            match next {
+                Some(at) => {
+                    tokio::select! {
+                        _ = tokio::time::sleep_until(at.into()) => {}
+                        _ = wake => {}
+                    }
+                }
+                None => wake.await,
+            }
+        }
+    }
+
+    /// Uploads the kept edit of `ino` now; the copy goes once nobody has the file open.
+    async fn write_back_now(&self, ino: u64, failures: u32) {
+        let Some(s) = self.staged_of(ino) else {
+            return;
+        };
+        match self.commit_staged(ino, &s).await {
+            Ok(()) => {
+                let idle = self.inode(ino).map(|i| i.open_handles == 0).unwrap_or(true);
+                if idle && !s.lock().await.is_dirty() {
+                    self.unstage(ino, &s);
+                }
+            }
+            Err(FsError::Conflict) => {}
+            Err(e) => {
+                let retry = Duration::from_secs(5 << failures.min(6)).min(WRITE_BACK_RETRY_MAX);
+                let key = s.lock().await.key().to_string();
+                tracing::error!(key = %key, error = %e, retry_in = ?retry,
+                    "write-back upload failed; the edit stays on local disk");
+                self.schedule_write_back(ino, retry, failures + 1);
+            }
+        }
+    }
+
+    /// A kept edit of `ino` nobody has open is uploaded now and its copy dropped, for
+    /// what cannot wait (rename copies the object in S3). False if it could not be.
+    pub(super) async fn write_back_idle(&self, ino: u64) -> bool {
+        let Some(s) = self.staged_of(ino) else {
+            return true;
+        };
+        if self.cfg.write_back.is_none() || self.inode(ino).is_ok_and(|i| i.open_handles > 0) {
+            return true;
+        }
+        lock(&self.write_back).remove(&ino);
+        if self.commit_staged(ino, &s).await.is_err() {
+            return false;
+        }
+        if self.inode(ino).is_ok_and(|i| i.open_handles == 0) {
+            self.unstage(ino, &s);
+        }
+        true
+    }
+
+    /// Commits the edits a dead predecessor kept for upload (`--write-back`), before
+    /// the mount serves: each is uploaded on the version it was made from, or kept in
+    /// lost+found. Returns how many could not be uploaded.
+    pub async fn upload_recovered(&self) -> usize {
+        let Some(area) = self.staging.get() else {
+            return 0;
+        };
+        let cfg = self.commit_config();
+        let mut failed = 0;
+        for mut file in area.take_recovered() {
+            let meta = file.recovered_meta().cloned();
+            match file.commit(&cfg, meta.as_ref()).await {
+                Ok(_) => {
+                    tracing::info!(key = %file.key(), "uploaded an edit a previous mounter kept")
+                }
+                Err(e) => {
+                    failed += 1;
+                    tracing::error!(key = %file.key(), error = %e,
+                        "cannot upload an edit a previous mounter kept");
+                    file.keep_lost(&format!("upload after a mounter restart failed: {e}"));
+                }
+            }
+        }
+        failed
     }
 
     /// fallocate(2) on an open file (see `StagedFile::fallocate`).

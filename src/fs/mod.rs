@@ -98,6 +98,9 @@ pub struct FsConfig {
     pub cache_dir: Option<std::path::PathBuf>,
     /// Space staged files may take together.
     pub cache_size: u64,
+    /// Edits in place are uploaded this long after their last close/fsync, which return
+    /// once the edit is on local disk (see `edit.rs`); `None`: close and fsync upload.
+    pub write_back: Option<Duration>,
     /// Stored POSIX metadata (`meta.rs`) is read and written; off: every file shows the
     /// defaults above and chmod/chown/utimes are accepted and forgotten, as before.
     pub posix_metadata: bool,
@@ -123,6 +126,7 @@ impl From<&MountConfig> for FsConfig {
             page_cache: cfg.page_cache,
             cache_dir: None,
             cache_size: cfg.cache_size,
+            write_back: cfg.write_back,
             posix_metadata: !cfg.ignore_metadata,
         }
     }
@@ -197,6 +201,9 @@ pub struct S3Fs {
     staged: Mutex<HashMap<u64, edit::Staged>>,
     /// Directory listings fetched ahead of a tree walk (see `walk_ahead.rs`).
     walk: Mutex<walk_ahead::WalkAhead>,
+    /// `--write-back`: staged files to upload, by inode, when and after how many failures.
+    write_back: Mutex<HashMap<u64, (Instant, u32)>>,
+    write_back_wake: tokio::sync::Notify,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -270,6 +277,15 @@ impl S3Fs {
             staging: std::sync::OnceLock::new(),
             staged: Mutex::new(HashMap::new()),
             walk: Mutex::new(Default::default()),
+            write_back: Mutex::new(HashMap::new()),
+            write_back_wake: tokio::sync::Notify::new(),
+        }
+    }
+
+    /// Starts the mount's background work on `rt`: the write-back of edits (`edit.rs`).
+    pub fn start_background(self: &Arc<Self>, rt: &tokio::runtime::Handle) {
+        if self.cfg.write_back.is_some() {
+            rt.spawn(self.clone().run_write_back());
         }
     }
 

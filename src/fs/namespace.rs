@@ -250,6 +250,10 @@ impl S3Fs {
     async fn writing_settled(&self, ino: u64) -> bool {
         let deadline = Instant::now() + RELEASE_WAIT;
         loop {
+            // An edit kept for write-back is uploaded first: S3 must hold it to copy it.
+            if !self.write_back_idle(ino).await {
+                return false;
+            }
             let writing = self.inodes().get(ino).is_some_and(|i| i.being_written());
             if !writing {
                 return true;
@@ -297,8 +301,18 @@ impl S3Fs {
             Err(FsError::NotFound) => {}
             Err(e) => return Err(e),
         }
-        // Files under it whose empty PUT is under way must be in S3 to be copied; files
-        // being written cannot move.
+        // Files under it whose empty PUT is under way must be in S3 to be copied, and so
+        // must edits kept for write-back; files being written cannot move.
+        let kept: Vec<u64> = {
+            let t = self.inodes();
+            t.descendants(src.ino)
+                .into_iter()
+                .filter(|d| t.get(*d).is_some_and(|i| i.staged && i.open_handles == 0))
+                .collect()
+        };
+        for ino in kept {
+            self.write_back_idle(ino).await;
+        }
         let (descendants, writing) = {
             let t = self.inodes();
             let descendants = t.descendants(src.ino);

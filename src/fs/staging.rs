@@ -56,6 +56,8 @@ pub struct StagingArea {
     temporary: bool,
     /// Cleared at the first conditional write the store refuses as not implemented.
     conditional_writes: AtomicBool,
+    /// Edits a dead predecessor kept for upload (`--write-back`), for the mount to commit.
+    recovered: std::sync::Mutex<Vec<StagedFile>>,
 }
 
 /// What a staged file's sidecar records, so that a replacement mounter knows what it finds.
@@ -65,6 +67,13 @@ struct Sidecar {
     base_etag: Option<String>,
     /// Everything local was committed: nothing is lost if the file is dropped.
     clean: bool,
+    /// Write-back: the local file is the whole new version, to be uploaded even by a
+    /// replacement mounter (see `StagedFile::keep_for_upload`).
+    #[serde(default)]
+    upload: bool,
+    /// The user metadata that upload carries (the file's POSIX metadata).
+    #[serde(default)]
+    meta: Option<UserMeta>,
 }
 
 impl StagingArea {
@@ -98,9 +107,16 @@ impl StagingArea {
             next_id: AtomicU64::new(1),
             temporary,
             conditional_writes: AtomicBool::new(true),
+            recovered: Default::default(),
         };
+        let area = Arc::new(area);
         area.recover();
-        Ok(Arc::new(area))
+        Ok(area)
+    }
+
+    /// Edits a dead predecessor kept for upload, taken once (see `recover`).
+    pub fn take_recovered(&self) -> Vec<StagedFile> {
+        std::mem::take(&mut *self.recovered.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     pub fn dir(&self) -> &Path {
@@ -137,14 +153,23 @@ impl StagingArea {
             });
     }
 
-    /// Staged files of a dead predecessor: committed ones are dropped, the others kept in
-    /// `lost+found` (we cannot tell whether their writer still wanted them).
-    fn recover(&self) {
+    /// Staged files of a dead predecessor: committed ones are dropped; those kept for
+    /// upload (`--write-back`: closed or fsync'd) wait in `recovered` for the mount to
+    /// commit them; the others go to `lost+found` (we cannot tell whether their writer
+    /// still wanted them).
+    fn recover(self: &Arc<Self>) {
         let Ok(entries) = std::fs::read_dir(&self.dir) else {
             return;
         };
-        for e in entries.flatten() {
-            let path = e.path();
+        let entries: Vec<PathBuf> = entries.flatten().map(|e| e.path()).collect();
+        // New staged files must not reuse the name of one kept for upload.
+        let last_id = entries
+            .iter()
+            .filter_map(|p| p.file_stem()?.to_str()?.parse::<u64>().ok())
+            .max()
+            .unwrap_or(0);
+        self.next_id.fetch_max(last_id + 1, Ordering::Relaxed);
+        for path in entries {
             if path.extension().is_none_or(|x| x != "json") {
                 continue;
             }
@@ -153,6 +178,19 @@ impl StagingArea {
                 .ok()
                 .and_then(|b| serde_json::from_slice(&b).ok());
             match sidecar {
+                Some(s) if !s.clean && s.upload && data.exists() => {
+                    match StagedFile::kept_for_upload(self, data.clone(), s) {
+                        Ok(f) => {
+                            tracing::info!(key = %f.key,
+                                "an edit a previous mounter kept for upload is uploaded now");
+                            lock_vec(&self.recovered).push(f);
+                            continue;
+                        }
+                        Err(e) => tracing::warn!(error = %e, file = %data.display(),
+                            "cannot reopen an edit kept for upload; it stays in the cache dir"),
+                    }
+                    continue;
+                }
                 Some(s) if !s.clean && data.exists() => {
                     match self.keep_lost(&data, &s.key, s.base_etag.as_deref(), "mounter restart") {
                         Ok(at) => tracing::warn!(key = %s.key, saved = %at.display(),
@@ -203,6 +241,10 @@ impl StagingArea {
     }
 }
 
+fn lock_vec<T>(m: &std::sync::Mutex<Vec<T>>) -> std::sync::MutexGuard<'_, Vec<T>> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 impl Drop for StagingArea {
     fn drop(&mut self) {
         if self.temporary {
@@ -242,6 +284,10 @@ pub struct StagedFile {
     discarded: bool,
     /// What the sidecar says now.
     sidecar_clean: bool,
+    /// The sidecar says "upload this" (see `keep_for_upload`).
+    sidecar_upload: bool,
+    /// The metadata recorded with it.
+    meta: Option<UserMeta>,
     /// Fills that sent a GET (see `FILLS_BEFORE_WHOLE`).
     fills: u32,
 }
@@ -296,8 +342,93 @@ impl StagedFile {
             resized: false,
             discarded: false,
             sidecar_clean: true,
+            sidecar_upload: false,
+            meta: None,
             fills: 0,
         })
+    }
+
+    /// A file a dead predecessor kept for upload (see `keep_for_upload`): the local file
+    /// is the whole new version, all of it to be uploaded.
+    fn kept_for_upload(area: &Arc<StagingArea>, path: PathBuf, s: Sidecar) -> FsResult<Self> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(local_io)?;
+        let size = file.metadata().map_err(local_io)?.len();
+        area.used.fetch_add(size, Ordering::Relaxed);
+        let mut all = RangeSet::default();
+        all.insert(0, size);
+        Ok(Self {
+            area: area.clone(),
+            path,
+            file,
+            key: s.key,
+            base_etag: s.base_etag,
+            fetch_limit: size,
+            size,
+            present: all.clone(),
+            dirty: all,
+            resized: true,
+            discarded: false,
+            sidecar_clean: false,
+            sidecar_upload: true,
+            meta: s.meta,
+            fills: 0,
+        })
+    }
+
+    /// The user metadata a recovered edit carries (`kept_for_upload`).
+    pub fn recovered_meta(&self) -> Option<&UserMeta> {
+        self.meta.as_ref()
+    }
+
+    /// Write-back (`--write-back`): marks the edit for upload by whoever runs next, should
+    /// this mount die before its upload. The base version's bytes are fetched first, so
+    /// that the local file alone is the new version (ENOSPC where they do not fit);
+    /// `durable` also syncs it to disk, as fsync(2) asks. `meta`: the metadata the upload
+    /// is to carry.
+    pub async fn keep_for_upload(
+        &mut self,
+        client: &Arc<dyn ObjectClient>,
+        durable: bool,
+        meta: Option<UserMeta>,
+    ) -> FsResult<()> {
+        if !self.is_dirty() || self.discarded {
+            return Ok(());
+        }
+        if !self.fill(client, 0, self.fetch_limit).await?.is_empty() {
+            return Err(FsError::NoSpace);
+        }
+        if durable {
+            self.file.sync_data().map_err(local_io)?;
+        }
+        if !self.sidecar_upload || self.meta != meta {
+            self.meta = meta;
+            let s = Sidecar {
+                key: self.key.clone(),
+                base_etag: self.base_etag.clone(),
+                clean: false,
+                upload: true,
+                meta: self.meta.clone(),
+            };
+            let json = serde_json::to_vec(&s).map_err(|e| FsError::Local(e.to_string()))?;
+            let at = self.path.with_extension("json");
+            let tmp = self.path.with_extension("json.tmp");
+            let written = std::fs::File::create(&tmp).and_then(|mut f| {
+                use std::io::Write;
+                f.write_all(&json)?;
+                if durable {
+                    f.sync_all()?;
+                }
+                std::fs::rename(&tmp, &at)
+            });
+            written.map_err(local_io)?;
+            self.sidecar_clean = false;
+            self.sidecar_upload = true;
+        }
+        Ok(())
     }
 
     fn write_sidecar(&mut self) -> FsResult<()> {
@@ -306,6 +437,8 @@ impl StagedFile {
             key: self.key.clone(),
             base_etag: self.base_etag.clone(),
             clean,
+            upload: false,
+            meta: None,
         };
         let json = serde_json::to_vec(&s).map_err(|e| FsError::Local(e.to_string()))?;
         let at = self.path.with_extension("json");
@@ -314,6 +447,7 @@ impl StagedFile {
             .and_then(|_| std::fs::rename(&tmp, &at))
             .map_err(local_io)?;
         self.sidecar_clean = clean;
+        self.sidecar_upload = false;
         Ok(())
     }
 
@@ -325,6 +459,8 @@ impl StagedFile {
                 key: self.key.clone(),
                 base_etag: self.base_etag.clone(),
                 clean: false,
+                upload: false,
+                meta: None,
             };
             let json = serde_json::to_vec(&s).map_err(|e| FsError::Local(e.to_string()))?;
             std::fs::write(self.path.with_extension("json"), json).map_err(local_io)?;
@@ -983,6 +1119,47 @@ mod tests {
             .filter(|n| n != LOST_FOUND)
             .collect();
         assert!(left.is_empty(), "{left:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn an_edit_kept_for_upload_is_made_whole_and_recovered_for_its_upload() {
+        let dir = std::env::temp_dir().join(format!("s3csi-staging-kept-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mem = Arc::new(MemClient::new());
+        let old = pattern(3 * MIB, 1);
+        mem.put_object("k", old.clone().into()).await.unwrap();
+        let client: Arc<dyn ObjectClient> = mem.clone();
+        {
+            let area = StagingArea::open(&dir, u64::MAX).unwrap();
+            let mut f = staged(&mem, &area, "k").await;
+            f.write(MIB + 5, b"EDIT").unwrap();
+            let meta: UserMeta = [("mode".to_string(), "33188".to_string())].into();
+            f.keep_for_upload(&client, true, Some(meta)).await.unwrap();
+            assert_eq!(
+                f.present.total(),
+                3 * MIB,
+                "the base version's bytes were fetched"
+            );
+            std::mem::forget(f); // a crash
+        }
+        let area = StagingArea::open(&dir, u64::MAX).unwrap();
+        let mut kept = area.take_recovered();
+        assert_eq!(kept.len(), 1);
+        let mut f = kept.pop().unwrap();
+        let other = StagedFile::of_object(&area, "x", 0, None).unwrap();
+        assert_ne!(
+            other.path, f.path,
+            "a new staged file does not take a kept one's name"
+        );
+        assert_eq!(f.recovered_meta().unwrap()["mode"], "33188");
+        let meta = f.recovered_meta().cloned();
+        f.commit(&cfg(&mem), meta.as_ref()).await.unwrap().unwrap();
+        let mut want = old;
+        want[(MIB + 5) as usize..(MIB + 9) as usize].copy_from_slice(b"EDIT");
+        let now = mem.get_range("k", 0, 3 * MIB).await.unwrap();
+        assert!(now[..] == want[..], "S3 holds the whole edited file");
+        assert!(area.take_recovered().is_empty());
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

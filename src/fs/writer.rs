@@ -219,7 +219,7 @@ impl S3Fs {
         if let FileState::Staged(s) = &f.state {
             let s = s.clone();
             f.writers = Writers::default();
-            return self.commit_staged(f.ino, &s).await;
+            return self.settle_staged(f.ino, &s, false).await;
         }
         self.commit(&mut f, fh, true).await?;
         let created_by_this_handle = lock(&self.pending)
@@ -317,7 +317,7 @@ impl S3Fs {
         let mut f = file.lock().await;
         if let FileState::Staged(s) = &f.state {
             let s = s.clone();
-            return self.commit_staged(f.ino, &s).await;
+            return self.settle_staged(f.ino, &s, true).await;
         }
         self.commit(&mut f, fh, false).await?;
         self.await_pending(f.ino).await?;
@@ -451,7 +451,12 @@ impl S3Fs {
                 i.mtime_from_writes = i.meta.is_some();
             }
         }
-        if own.is_none() {
+        if own.is_none() && self.keeps_for_write_back(ino, &s) {
+            self.settle_staged(ino, &s, false).await?;
+            if self.inodes().get(ino).is_some_and(|i| i.open_handles == 0) {
+                self.schedule_write_back(ino, self.cfg.write_back.unwrap_or_default(), 0);
+            }
+        } else if own.is_none() {
             // No descriptor will close this: make it durable now.
             self.commit_staged(ino, &s).await?;
             let unused = self.inodes().get(ino).is_none_or(|i| i.open_handles == 0);

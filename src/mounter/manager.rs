@@ -128,7 +128,17 @@ impl MountManager {
     /// `cache/lost+found`, see `fs::staging`) are moved to `STATE_DIR/lost+found/` first:
     /// they outlive the mount, and the log says where they are.
     fn remove_handoff_dir(&self, dir: &Path) {
-        let lost = dir.join("cache").join(crate::fs::staging::LOST_FOUND);
+        // Edits a dead mounter kept for upload (`--write-back`) cannot be uploaded from
+        // here: they join lost+found (opening the area moves the other uncommitted ones).
+        let cache = dir.join("cache");
+        if cache.is_dir() {
+            if let Ok(area) = crate::fs::staging::StagingArea::open(&cache, u64::MAX) {
+                for mut kept in area.take_recovered() {
+                    kept.keep_lost("the volume was unpublished before its upload");
+                }
+            }
+        }
+        let lost = cache.join(crate::fs::staging::LOST_FOUND);
         let has_any = std::fs::read_dir(&lost).is_ok_and(|mut d| d.next().is_some());
         if has_any {
             let name = dir

@@ -369,6 +369,185 @@ fn an_uncommitted_edit_is_kept_in_lost_found_after_a_mounter_crash() {
     assert!(m.log_text().contains("lost+found"));
 }
 
+/// Polls S3 until `key` holds `want` (write-back uploads in the background).
+fn wait_for_s3(bucket: &str, key: &str, want: &[u8]) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while s3_get(bucket, key).as_deref() != Some(want) {
+        assert!(
+            Instant::now() < deadline,
+            "{key} never became {:?} in S3",
+            String::from_utf8_lossy(want)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn write_back_keeps_edits_on_local_disk_until_their_upload() {
+    let bucket = new_bucket("edit-wb");
+    let cache = scratch_dir("edit-wb-cache");
+    // A delay no test waits out: what is in S3 before the unmount was put there by
+    // something else than the timer (rename, the end of the mount).
+    let mut m = Mount::start(
+        &bucket,
+        &["--write-back", "1h", "--cache-dir", cache.to_str().unwrap()],
+    );
+    put(&bucket, "f", b"committed".to_vec());
+    put(&bucket, "moved", b"original".to_vec());
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.path("f"))
+        .unwrap();
+    f.write_all_at(b"EDIT", 2).unwrap();
+    f.sync_all().unwrap();
+    assert_eq!(
+        s3_get(&bucket, "f").unwrap(),
+        b"committed",
+        "fsync is local"
+    );
+    assert_eq!(
+        fs::read(m.path("f")).unwrap(),
+        b"coEDITted",
+        "other descriptors see it"
+    );
+    close_checked(f).unwrap();
+    assert_eq!(s3_get(&bucket, "f").unwrap(), b"committed", "so is close");
+    assert_eq!(
+        fs::read(m.path("f")).unwrap(),
+        b"coEDITted",
+        "a later open sees it"
+    );
+    assert_eq!(fs::metadata(m.path("f")).unwrap().len(), 9);
+    // Appends and a new file, closed: kept too.
+    fs::OpenOptions::new()
+        .append(true)
+        .open(m.path("f"))
+        .unwrap()
+        .write_all(b"+more")
+        .unwrap();
+    let mut g = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(m.path("new"))
+        .unwrap();
+    g.write_all(b"fresh").unwrap();
+    g.seek(SeekFrom::Start(0)).unwrap();
+    let mut back = String::new();
+    g.read_to_string(&mut back).unwrap();
+    assert_eq!(back, "fresh");
+    close_checked(g).unwrap();
+    assert!(s3_get(&bucket, "new").is_none());
+    // A kept file that is removed is never uploaded.
+    let mut gone = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(m.path("gone"))
+        .unwrap();
+    gone.write_all(b"x").unwrap();
+    gone.seek(SeekFrom::Start(0)).unwrap();
+    gone.read_exact(&mut [0u8; 1]).unwrap();
+    drop(gone);
+    fs::remove_file(m.path("gone")).unwrap();
+    // rename needs the object in S3: the kept edit is uploaded first.
+    fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("moved"))
+        .unwrap()
+        .write_all_at(b"O", 0)
+        .unwrap();
+    fs::rename(m.path("moved"), m.path("moved2")).unwrap();
+    assert_eq!(s3_get(&bucket, "moved2").unwrap(), b"Original");
+    assert!(s3_get(&bucket, "moved").is_none());
+    // SQLite at local speed; the unmount uploads what is still kept.
+    let db = m.path("db.sqlite");
+    let script = format!(
+        "import sqlite3\n\
+         c = sqlite3.connect({db:?})\n\
+         c.execute('create table t(i integer primary key, v text)')\n\
+         for b in range(20):\n\
+         \x20   with c:\n\
+         \x20       c.executemany('insert into t(v) values(?)', [('row %d' % (b * 100 + i),) for i in range(100)])\n\
+         c.close()\n"
+    );
+    run(Command::new("python3").args(["-c", &script]));
+    m.stop();
+    assert_eq!(s3_get(&bucket, "f").unwrap(), b"coEDITted+more");
+    assert_eq!(s3_get(&bucket, "new").unwrap(), b"fresh");
+    assert!(s3_get(&bucket, "gone").is_none());
+    assert!(s3_get(&bucket, "db.sqlite-journal").is_none());
+    let m = Mount::start(&bucket, &[]);
+    let db = m.path("db.sqlite");
+    let check = format!(
+        "import sqlite3\n\
+         c = sqlite3.connect({db:?})\n\
+         print(c.execute('select count(*) from t').fetchone()[0], c.execute('pragma integrity_check').fetchone()[0])\n"
+    );
+    assert_eq!(
+        run(Command::new("python3").args(["-c", &check])).trim(),
+        "2000 ok"
+    );
+    drop(m);
+    // With no delay, the upload follows the last close by itself.
+    let m = Mount::start(
+        &bucket,
+        &["--write-back", "0s", "--cache-dir", cache.to_str().unwrap()],
+    );
+    fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("f"))
+        .unwrap()
+        .write_all_at(b"ED", 0)
+        .unwrap();
+    wait_for_s3(&bucket, "f", b"EDEDITted+more");
+}
+
+#[test]
+fn write_back_edits_a_crashed_mount_kept_are_uploaded_by_the_next_one() {
+    let bucket = new_bucket("edit-wb-crash");
+    let cache = scratch_dir("edit-wb-crash-cache");
+    let args = ["--write-back", "1h", "--cache-dir", cache.to_str().unwrap()];
+    put(&bucket, "saved", b"committed".to_vec());
+    put(&bucket, "theirs", b"original".to_vec());
+    let mut m = Mount::start(&bucket, &args);
+    let mut open = Vec::new();
+    for (key, edit) in [("saved", b"SAVED"), ("theirs", b"MINE!")] {
+        let f = fs::OpenOptions::new()
+            .write(true)
+            .open(m.path(key))
+            .unwrap();
+        f.write_all_at(edit, 2).unwrap();
+        f.sync_all().unwrap();
+        open.push(f);
+    }
+    let pid = m.child.as_ref().unwrap().id();
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    let _ = m.child.take().map(|mut c| c.wait());
+    drop(open);
+    m.stop();
+    assert_eq!(s3_get(&bucket, "saved").unwrap(), b"committed");
+    // Another client replaces one of them meanwhile: that edit must not overwrite it.
+    put(&bucket, "theirs", b"replaced by another client".to_vec());
+    let m = Mount::start(&bucket, &args);
+    assert_eq!(s3_get(&bucket, "saved").unwrap(), b"coSAVEDed");
+    assert_eq!(fs::read(m.path("saved")).unwrap(), b"coSAVEDed");
+    assert_eq!(
+        s3_get(&bucket, "theirs").unwrap(),
+        b"replaced by another client"
+    );
+    let kept: Vec<_> = fs::read_dir(cache.join("lost+found"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_none_or(|x| x != "json"))
+        .collect();
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    assert_eq!(fs::read(&kept[0]).unwrap(), b"orMINE!l");
+}
+
 fn have(tool: &str) -> bool {
     Command::new("sh")
         .args(["-c", &format!("command -v {tool}")])

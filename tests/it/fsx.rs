@@ -596,9 +596,26 @@ impl Fsx<'_> {
 #[test]
 fn random_operations_match_the_model() {
     // Steps in the quick run; the full run goes on until 100 000 operations were checked.
-    let (quick_steps, full_ops) = (300, 100_000);
-    let bucket = new_bucket("fsx");
-    let m = Mount::start(&bucket, &["--part-size", "5MiB"]);
+    run_fsx("fsx", &["--part-size", "5MiB"], 300, 100_000);
+}
+
+/// The same with `--write-back`: uploads after the last close race with what follows.
+#[test]
+fn random_operations_match_the_model_with_write_back() {
+    run_fsx(
+        "fsx-wb",
+        &["--part-size", "5MiB", "--write-back", "10ms"],
+        300,
+        30_000,
+    );
+}
+
+fn run_fsx(hint: &str, args: &[&str], quick_steps: usize, full_ops: u64) {
+    let bucket = new_bucket(hint);
+    let cache = scratch_dir(&format!("{hint}-cache"));
+    let mut args = args.to_vec();
+    args.extend(["--cache-dir", cache.to_str().unwrap()]);
+    let m = Mount::start(&bucket, &args);
     fs::create_dir(m.path("d1")).unwrap();
     let mut fsx = Fsx {
         m: &m,

@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# The edit-in-place rows on a fast S3 server, where the mount and not the server is measured.
+#
+#   bench/edit_fast.sh [--size 1GiB] [--rtt MS] [--runs N] [--sql-rows N] [--no-build]
+#
+# On bench/run.sh's moto, appending to a large object measures moto's server-side copy
+# (UploadPartCopy + CompleteMultipartUpload copy every byte in Python on its one core:
+# ~14 s per GiB), which real S3 does inside the store. Here the embedded `s3csi s3-server`
+# serves instead, behind the latency proxy (`s3bench proxy`, default RTT 10 ms), pinned to
+# the last CPU like run.sh's server side. Rows, each client on a fresh mount and a fresh
+# SIZE object, medians of RUNS:
+#   append 1 MiB + close; MiB the client sent for it; 1000 random 4 KiB writes + close;
+#   SQLite inserts in transactions of 100 (bench/edit_workloads.py)
+# Clients: s3csi (durable at close/fsync), s3csi-wb (--write-back 50ms), rclone-w
+# (--vfs-cache-mode writes --vfs-write-back 0s) and s3fs if installed; the two that
+# acknowledge close before the upload are timed until their upload is done.
+# Prints a Markdown table and writes it to bench/results/edit-fast-latest.md.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+SIZE=1GiB RTT=10 RUNS=1 SQL_N=2000 BUILD=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --size) SIZE=$2; shift ;;
+    --rtt) RTT=$2; shift ;;
+    --runs) RUNS=$2; shift ;;
+    --sql-rows) SQL_N=$2; shift ;;
+    --no-build) BUILD=0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+[ "$BUILD" = 1 ] && { cargo build --release --bins -q || exit 1; }
+WORK=$(mktemp -d /tmp/editfast.XXXXXX)
+cp target/release/s3csi target/release/s3bench "$WORK/" || exit 1
+export AWS_ACCESS_KEY_ID=s3csi-demo AWS_SECRET_ACCESS_KEY=s3csi-demo-secret AWS_REGION=us-east-1
+export S3CSI_S3_SECRET_KEY=$AWS_SECRET_ACCESS_KEY RUST_BACKTRACE=0
+log() { echo "[$(date +%T)] $*" >&2; }
+now() { date +%s.%N; }
+NCPU=$(nproc)
+SERVER=() CLIENT=()
+if [ "$NCPU" -ge 2 ] && command -v taskset >/dev/null; then
+  SERVER=(taskset -c "$((NCPU - 1))") CLIENT=(taskset -c "0-$((NCPU - 2))")
+fi
+PIDS=() MNT=$WORK/mnt
+cleanup() {
+  mountpoint -q "$MNT" && { fusermount3 -u "$MNT" 2>/dev/null || umount -l "$MNT"; }
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done
+  wait 2>/dev/null
+  rm -rf "$WORK/data" "$WORK/cache-wb" "$WORK/rclone-cache"
+}
+trap cleanup EXIT
+
+"${SERVER[@]}" "$WORK/s3csi" s3-server --listen 127.0.0.1:0 --dir "$WORK/data" --bucket bench \
+  --log-level warn >"$WORK/server.out" 2>"$WORK/server.log" &
+PIDS+=($!)
+for _ in $(seq 100); do grep -q '^listening on' "$WORK/server.out" && break; sleep 0.1; done
+DIRECT=$(sed -n 's/^listening on //p' "$WORK/server.out" | head -1)
+[ -n "$DIRECT" ] || { echo "the embedded server did not start" >&2; cat "$WORK/server.log" >&2; exit 1; }
+PPORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+RC_PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+"${SERVER[@]}" "$WORK/s3bench" proxy --listen "127.0.0.1:$PPORT" --upstream "${DIRECT#http://}" \
+  --delay-ms $((RTT / 2)) --bytes-file "$WORK/sent" >/dev/null 2>&1 &
+PIDS+=($!)
+sleep 0.3
+log "embedded server $DIRECT, proxy :$PPORT (RTT $RTT ms); $SIZE object, $SQL_N SQLite rows"
+printf '%s:%s\n' "$AWS_ACCESS_KEY_ID" "$AWS_SECRET_ACCESS_KEY" >"$WORK/passwd-s3fs"
+chmod 600 "$WORK/passwd-s3fs"
+mkdir -p "$MNT"
+
+mount_one() { # NAME: starts that client's mount on $MNT
+  local ep="http://127.0.0.1:$PPORT"
+  case $1 in
+    s3csi) "${CLIENT[@]}" "$WORK/s3csi" mount --foreground --endpoint-url "$ep" --force-path-style bench "$MNT" ;;
+    s3csi-wb) "${CLIENT[@]}" "$WORK/s3csi" mount --foreground --endpoint-url "$ep" --force-path-style \
+      --write-back 50ms --cache-dir "$WORK/cache-wb" bench "$MNT" ;;
+    rclone-w) : >"$WORK/rclone.conf"
+      RCLONE_CONFIG_B_TYPE=s3 RCLONE_CONFIG_B_PROVIDER=Other RCLONE_CONFIG_B_ACCESS_KEY_ID="$AWS_ACCESS_KEY_ID" \
+      RCLONE_CONFIG_B_SECRET_ACCESS_KEY="$AWS_SECRET_ACCESS_KEY" RCLONE_CONFIG_B_ENDPOINT="$ep" \
+      RCLONE_CONFIG_B_REGION=us-east-1 RCLONE_CONFIG_B_FORCE_PATH_STYLE=true \
+      "${CLIENT[@]}" rclone mount b:bench "$MNT" --config "$WORK/rclone.conf" --vfs-cache-mode writes \
+        --vfs-write-back 0s --cache-dir "$WORK/rclone-cache" --rc --rc-addr "127.0.0.1:$RC_PORT" --rc-no-auth ;;
+    s3fs) "${CLIENT[@]}" s3fs bench "$MNT" -f -o "url=$ep,use_path_request_style,passwd_file=$WORK/passwd-s3fs" ;;
+  esac >>"$WORK/$1.log" 2>&1 &
+  FSPID=$!
+  for _ in $(seq 150); do mountpoint -q "$MNT" && return 0; kill -0 "$FSPID" 2>/dev/null || break; sleep 0.1; done
+  echo "$1 did not mount (see $WORK/$1.log)" >&2
+  return 1
+}
+umount_one() {
+  fusermount3 -u "$MNT" 2>/dev/null || umount "$MNT" 2>/dev/null || umount -l "$MNT"
+  for _ in $(seq 600); do kill -0 "$FSPID" 2>/dev/null || break; sleep 0.1; done
+  kill "$FSPID" 2>/dev/null; wait "$FSPID" 2>/dev/null
+}
+# Seconds until the client has no upload queued or under way (0 for the durable ones).
+# rclone may report idle for a moment before its write-back queues the close's upload, so
+# it must report idle twice, 0.3 s apart.
+uploaded() { # NAME
+  local t0 idle=0
+  t0=$(now)
+  case $1 in
+    s3csi-wb) while compgen -G "$WORK/cache-wb/*.staged" >/dev/null; do sleep 0.01; done ;;
+    rclone-w)
+      while [ "$idle" -lt 2 ]; do
+        n=$(rclone rc --url "http://127.0.0.1:$RC_PORT" vfs/stats 2>/dev/null | python3 -c '
+import json, sys
+c = json.load(sys.stdin).get("diskCache", {})
+print(c.get("uploadsInProgress", 0) + c.get("uploadsQueued", 0))' 2>/dev/null)
+        if [ "$n" = 0 ]; then idle=$((idle + 1)); sleep 0.3; else idle=0; sleep 0.05; fi
+      done
+      t0=$(awk -v a="$t0" 'BEGIN { printf "%.3f", a + 0.3 }') ;;   # the second look is not its time
+  esac
+  awk -v a="$t0" -v b="$(now)" 'BEGIN { v = b - a; printf "%.3f", v < 0 ? 0 : v }'
+}
+sent_mib() { sleep 0.3; awk -v a="$1" -v b="$(cat "$WORK/sent")" 'BEGIN { printf "%.1f", (b - a) / 1048576 }'; }
+secs_of() { sed -n 's/.*secs=\([0-9.]*\).*/\1/p' | tail -1; }
+
+CLIENTS="s3csi s3csi-wb"
+command -v rclone >/dev/null && CLIENTS="$CLIENTS rclone-w"
+command -v s3fs >/dev/null && CLIENTS="$CLIENTS s3fs"
+declare -A T
+add() { T[$1,$2]="${T[$1,$2]:-} $3"; log "run $run: $1 $2: $3"; }
+for run in $(seq "$RUNS"); do
+  for c in $CLIENTS; do
+    "$WORK/s3bench" raw-write --endpoint "$DIRECT" --bucket bench --key edit.bin --size "$SIZE" >/dev/null || exit 1
+    mount_one "$c" || continue
+    sync
+    s0=$(cat "$WORK/sent")
+    t=$("${CLIENT[@]}" python3 bench/edit_workloads.py append "$MNT/edit.bin" --size 1MiB | secs_of)
+    w=$(uploaded "$c")
+    add "$c" append "$(awk -v a="$t" -v b="$w" 'BEGIN { printf "%.3f", a + b }')"
+    add "$c" sent "$(sent_mib "$s0")"
+    t=$("${CLIENT[@]}" python3 bench/edit_workloads.py random-writes "$MNT/edit.bin" --n 1000 | secs_of)
+    w=$(uploaded "$c")
+    add "$c" random "$(awk -v a="$t" -v b="$w" 'BEGIN { printf "%.3f", a + b }')"
+    t=$("${CLIENT[@]}" python3 bench/edit_workloads.py sqlite "$MNT/db-$c-$run.sqlite" --rows "$SQL_N" | secs_of)
+    w=$(uploaded "$c")
+    add "$c" sqlite "$(awk -v a="$t" -v b="$w" -v n="$SQL_N" 'BEGIN { printf "%.0f", n / (a + b) }')"
+    umount_one
+  done
+done
+
+median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{ a[NR] = $1 } END { if (NR) print a[int((NR + 1) / 2)] }'; }
+OUT=bench/results/edit-fast-latest.md
+{
+  echo "Editing in place on the embedded S3 server, RTT $RTT ms, $SIZE object, median of $RUNS fresh mounts; s3csi-wb and rclone-w timed until their upload is done"
+  echo
+  echo "| client | append 1 MiB + close (s) | MiB sent for it | 1000 random 4 KiB writes + close (s) | SQLite $SQL_N inserts (rows/s) |"
+  echo "|---|---|---|---|---|"
+  for c in $CLIENTS; do
+    echo "| $c | $(echo "${T[$c,append]:-}" | median) | $(echo "${T[$c,sent]:-}" | median) | $(echo "${T[$c,random]:-}" | median) | $(echo "${T[$c,sqlite]:-}" | median) |"
+  done
+} | tee "$OUT"
