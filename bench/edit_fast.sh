@@ -33,40 +33,11 @@ done
 [ "$BUILD" = 1 ] && { cargo build --release --bins -q || exit 1; }
 WORK=$(mktemp -d /tmp/editfast.XXXXXX)
 cp target/release/s3csi target/release/s3bench "$WORK/" || exit 1
-export AWS_ACCESS_KEY_ID=s3csi-demo AWS_SECRET_ACCESS_KEY=s3csi-demo-secret AWS_REGION=us-east-1
-export S3CSI_S3_SECRET_KEY=$AWS_SECRET_ACCESS_KEY RUST_BACKTRACE=0
-log() { echo "[$(date +%T)] $*" >&2; }
+# shellcheck source=bench/embedded.sh
+source bench/embedded.sh
 now() { date +%s.%N; }
-NCPU=$(nproc)
-SERVER=() CLIENT=()
-if [ "$NCPU" -ge 2 ] && command -v taskset >/dev/null; then
-  SERVER=(taskset -c "$((NCPU - 1))") CLIENT=(taskset -c "0-$((NCPU - 2))")
-fi
-PIDS=() MNT=$WORK/mnt
-cleanup() {
-  mountpoint -q "$MNT" && { fusermount3 -u "$MNT" 2>/dev/null || umount -l "$MNT"; }
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done
-  wait 2>/dev/null
-  rm -rf "$WORK/data" "$WORK/cache-wb" "$WORK/rclone-cache"
-}
-trap cleanup EXIT
-
-"${SERVER[@]}" "$WORK/s3csi" s3-server --listen 127.0.0.1:0 --dir "$WORK/data" --bucket bench \
-  --log-level warn >"$WORK/server.out" 2>"$WORK/server.log" &
-PIDS+=($!)
-for _ in $(seq 100); do grep -q '^listening on' "$WORK/server.out" && break; sleep 0.1; done
-DIRECT=$(sed -n 's/^listening on //p' "$WORK/server.out" | head -1)
-[ -n "$DIRECT" ] || { echo "the embedded server did not start" >&2; cat "$WORK/server.log" >&2; exit 1; }
-PPORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-RC_PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-"${SERVER[@]}" "$WORK/s3bench" proxy --listen "127.0.0.1:$PPORT" --upstream "${DIRECT#http://}" \
-  --delay-ms $((RTT / 2)) --bytes-file "$WORK/sent" >/dev/null 2>&1 &
-PIDS+=($!)
-sleep 0.3
+RC_PORT=$(free_port)
 log "embedded server $DIRECT, proxy :$PPORT (RTT $RTT ms); $SIZE object, $SQL_N SQLite rows"
-printf '%s:%s\n' "$AWS_ACCESS_KEY_ID" "$AWS_SECRET_ACCESS_KEY" >"$WORK/passwd-s3fs"
-chmod 600 "$WORK/passwd-s3fs"
-mkdir -p "$MNT"
 
 mount_one() { # NAME: starts that client's mount on $MNT
   local ep="http://127.0.0.1:$PPORT"
@@ -82,15 +53,7 @@ mount_one() { # NAME: starts that client's mount on $MNT
         --vfs-write-back 0s --cache-dir "$WORK/rclone-cache" --rc --rc-addr "127.0.0.1:$RC_PORT" --rc-no-auth ;;
     s3fs) "${CLIENT[@]}" s3fs bench "$MNT" -f -o "url=$ep,use_path_request_style,passwd_file=$WORK/passwd-s3fs" ;;
   esac >>"$WORK/$1.log" 2>&1 &
-  FSPID=$!
-  for _ in $(seq 150); do mountpoint -q "$MNT" && return 0; kill -0 "$FSPID" 2>/dev/null || break; sleep 0.1; done
-  echo "$1 did not mount (see $WORK/$1.log)" >&2
-  return 1
-}
-umount_one() {
-  fusermount3 -u "$MNT" 2>/dev/null || umount "$MNT" 2>/dev/null || umount -l "$MNT"
-  for _ in $(seq 600); do kill -0 "$FSPID" 2>/dev/null || break; sleep 0.1; done
-  kill "$FSPID" 2>/dev/null; wait "$FSPID" 2>/dev/null
+  wait_mounted "$1"
 }
 # Seconds until the client has no upload queued or under way (0 for the durable ones).
 # rclone may report idle for a moment before its write-back queues the close's upload, so
@@ -140,7 +103,6 @@ for run in $(seq "$RUNS"); do
   done
 done
 
-median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{ a[NR] = $1 } END { if (NR) print a[int((NR + 1) / 2)] }'; }
 OUT=bench/results/edit-fast-latest.md
 {
   echo "Editing in place on the embedded S3 server, RTT $RTT ms, $SIZE object, median of $RUNS fresh mounts; s3csi-wb and rclone-w timed until their upload is done"

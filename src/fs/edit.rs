@@ -117,8 +117,12 @@ impl S3Fs {
         let ino = f.ino;
         if let FileState::Write(up) = &mut f.state {
             if up.can_truncate() {
+                let create_only = up.is_create_only();
                 let data = up.take_buffer();
-                let file = StagedFile::of_bytes(self.staging()?, &f.key, &data)?;
+                let mut file = StagedFile::of_bytes(self.staging()?, &f.key, &data)?;
+                if create_only {
+                    file.set_create_only();
+                }
                 let size = data.len() as u64;
                 {
                     let mut t = self.inodes();

@@ -126,6 +126,7 @@ fn open_mode(flags: i32) -> OpenMode {
         write: acc == libc::O_WRONLY || acc == libc::O_RDWR,
         truncate: flags & libc::O_TRUNC != 0,
         append: flags & libc::O_APPEND != 0,
+        exclusive: flags & libc::O_EXCL != 0,
     }
 }
 

@@ -71,6 +71,22 @@ const LIST_PAGE: i32 = 1000;
 const LIST_AHEAD_PAGES: usize = 5;
 /// Inode table size above which entries nobody holds are dropped.
 const INODE_CAP: usize = 50_000;
+/// How long the mount waits for its conditional-write check (`start_background`).
+const CONDITION_PROBE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A random number, for names nobody else uses.
+fn rand_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.finish()
+}
+
 /// Empty-file PUTs (see `S3Fs::defer_empty`) in flight at once; more wait their turn.
 const CREATE_PUTS_IN_FLIGHT: usize = 64;
 
@@ -176,6 +192,9 @@ pub struct OpenMode {
     pub write: bool,
     pub truncate: bool,
     pub append: bool,
+    /// `O_CREAT | O_EXCL`: the new file's first upload is refused if the key exists in S3
+    /// by then (`If-None-Match: *`), as another client may have created it meanwhile.
+    pub exclusive: bool,
 }
 
 pub struct S3Fs {
@@ -282,10 +301,33 @@ impl S3Fs {
         }
     }
 
-    /// Starts the mount's background work on `rt`: the write-back of edits (`edit.rs`).
+    /// Starts the mount's background work on `rt`: the write-back of edits (`edit.rs`),
+    /// and on a writable mount the check whether the store honours conditional writes
+    /// (a store that ignores `If-Match` would let an edit overwrite another client's
+    /// version unseen; one that answers 501 is found at the first commit anyway).
     pub fn start_background(self: &Arc<Self>, rt: &tokio::runtime::Handle) {
         if self.cfg.write_back.is_some() {
             rt.spawn(self.clone().run_write_back());
+        }
+        if !self.cfg.read_only {
+            let fs = self.clone();
+            rt.spawn(async move {
+                let key = format!("{}.s3csi-probe-{:016x}", fs.cfg.prefix, rand_u64());
+                let answer = tokio::time::timeout(
+                    CONDITION_PROBE_TIMEOUT,
+                    crate::s3::honours_conditional_writes(fs.deletes.unordered().as_ref(), &key),
+                )
+                .await;
+                match (answer, fs.staging()) {
+                    (Ok(Some(false)), Ok(area)) => area.without_conditional_writes(
+                        "a PUT with If-Match on a missing key was not refused",
+                    ),
+                    (Ok(Some(true)), _) => tracing::debug!("the store honours conditional writes"),
+                    _ => tracing::debug!(
+                        "could not tell whether the store honours conditional writes"
+                    ),
+                }
+            });
         }
     }
 

@@ -123,6 +123,16 @@ impl StagingArea {
         &self.dir
     }
 
+    /// The store does not honour conditional writes (seen at mount, or refused as not
+    /// implemented): commits go without conditions from now on, with one warning.
+    pub fn without_conditional_writes(&self, why: &str) {
+        if self.conditional_writes.swap(false, Ordering::Relaxed) {
+            tracing::warn!(reason = %why,
+                "the S3 store does not honour conditional writes: edits in place are \
+                 last-writer-wins on this mount");
+        }
+    }
+
     pub fn used(&self) -> u64 {
         self.used.load(Ordering::Relaxed)
     }
@@ -288,6 +298,8 @@ pub struct StagedFile {
     sidecar_upload: bool,
     /// The metadata recorded with it.
     meta: Option<UserMeta>,
+    /// A new file created `O_EXCL`: its first commit is refused if the key exists by then.
+    create_only: bool,
     /// Fills that sent a GET (see `FILLS_BEFORE_WHOLE`).
     fills: u32,
 }
@@ -344,8 +356,14 @@ impl StagedFile {
             sidecar_clean: true,
             sidecar_upload: false,
             meta: None,
+            create_only: false,
             fills: 0,
         })
+    }
+
+    /// The first commit is made with `If-None-Match: *` (an `O_EXCL` create).
+    pub fn set_create_only(&mut self) {
+        self.create_only = true;
     }
 
     /// A file a dead predecessor kept for upload (see `keep_for_upload`): the local file
@@ -375,6 +393,7 @@ impl StagedFile {
             sidecar_clean: false,
             sidecar_upload: true,
             meta: s.meta,
+            create_only: false,
             fills: 0,
         })
     }
@@ -406,65 +425,47 @@ impl StagedFile {
         }
         if !self.sidecar_upload || self.meta != meta {
             self.meta = meta;
-            let s = Sidecar {
-                key: self.key.clone(),
-                base_etag: self.base_etag.clone(),
-                clean: false,
-                upload: true,
-                meta: self.meta.clone(),
-            };
-            let json = serde_json::to_vec(&s).map_err(|e| FsError::Local(e.to_string()))?;
-            let at = self.path.with_extension("json");
-            let tmp = self.path.with_extension("json.tmp");
-            let written = std::fs::File::create(&tmp).and_then(|mut f| {
-                use std::io::Write;
-                f.write_all(&json)?;
-                if durable {
-                    f.sync_all()?;
-                }
-                std::fs::rename(&tmp, &at)
-            });
-            written.map_err(local_io)?;
-            self.sidecar_clean = false;
-            self.sidecar_upload = true;
+            self.save_sidecar(false, true, durable)?;
         }
         Ok(())
     }
 
     fn write_sidecar(&mut self) -> FsResult<()> {
-        let clean = !self.is_dirty();
-        let s = Sidecar {
-            key: self.key.clone(),
-            base_etag: self.base_etag.clone(),
-            clean,
-            upload: false,
-            meta: None,
-        };
-        let json = serde_json::to_vec(&s).map_err(|e| FsError::Local(e.to_string()))?;
-        let at = self.path.with_extension("json");
-        let tmp = self.path.with_extension("json.tmp");
-        std::fs::write(&tmp, json)
-            .and_then(|_| std::fs::rename(&tmp, &at))
-            .map_err(local_io)?;
-        self.sidecar_clean = clean;
-        self.sidecar_upload = false;
-        Ok(())
+        self.save_sidecar(!self.is_dirty(), false, false)
     }
 
     /// The sidecar says "dirty" before the first uncommitted byte is acknowledged.
     fn mark_dirty(&mut self) -> FsResult<()> {
         if self.sidecar_clean {
-            self.sidecar_clean = false;
-            let s = Sidecar {
-                key: self.key.clone(),
-                base_etag: self.base_etag.clone(),
-                clean: false,
-                upload: false,
-                meta: None,
-            };
-            let json = serde_json::to_vec(&s).map_err(|e| FsError::Local(e.to_string()))?;
-            std::fs::write(self.path.with_extension("json"), json).map_err(local_io)?;
+            self.save_sidecar(false, false, false)?;
         }
+        Ok(())
+    }
+
+    /// Replaces the sidecar (atomically: written aside, then renamed over it); `durable`
+    /// syncs it to disk first. The metadata is recorded only with `upload`.
+    fn save_sidecar(&mut self, clean: bool, upload: bool, durable: bool) -> FsResult<()> {
+        let s = Sidecar {
+            key: self.key.clone(),
+            base_etag: self.base_etag.clone(),
+            clean,
+            upload,
+            meta: if upload { self.meta.clone() } else { None },
+        };
+        let json = serde_json::to_vec(&s).map_err(|e| FsError::Local(e.to_string()))?;
+        let at = self.path.with_extension("json");
+        let tmp = self.path.with_extension("json.tmp");
+        let written = std::fs::File::create(&tmp).and_then(|mut f| {
+            use std::io::Write;
+            f.write_all(&json)?;
+            if durable {
+                f.sync_all()?;
+            }
+            std::fs::rename(&tmp, &at)
+        });
+        written.map_err(local_io)?;
+        self.sidecar_clean = clean;
+        self.sidecar_upload = upload;
         Ok(())
     }
 
@@ -739,15 +740,13 @@ impl StagedFile {
             self.area.conditional_writes.load(Ordering::Relaxed),
         ) {
             (Some(etag), true) => Some(WriteCondition::IfMatch(etag.clone())),
+            // Not for an empty body: moto never answers a conditional PUT of one.
+            (None, true) if self.create_only && self.size > 0 => Some(WriteCondition::IfNoneMatch),
             _ => None,
         };
         match send(cfg.client.clone(), cond.clone()).await {
             Err(S3Error::NotImplemented(why)) if cond.is_some() => {
-                if self.area.conditional_writes.swap(false, Ordering::Relaxed) {
-                    tracing::warn!(key = %self.key, reason = %why,
-                        "the S3 store does not implement conditional writes: edits in place \
-                         are last-writer-wins on this mount");
-                }
+                self.area.without_conditional_writes(&why);
                 send(cfg.client.clone(), None).await.map_err(FsError::S3)
             }
             other => other.map_err(FsError::S3),

@@ -170,11 +170,13 @@ const W: OpenMode = OpenMode {
     write: true,
     truncate: true,
     append: false,
+    exclusive: false,
 };
 const R: OpenMode = OpenMode {
     write: false,
     truncate: false,
     append: false,
+    exclusive: false,
 };
 
 async fn names(fs: &S3Fs, ino: u64) -> Vec<String> {
@@ -375,6 +377,7 @@ async fn existing_objects_are_edited_in_place(store: Store) {
         write: true,
         truncate: false,
         append: false,
+        exclusive: false,
     };
     let fh = fs.open(a.ino, rw).await.unwrap();
     fs.write(fh, 0, b"O", Some(1)).await.unwrap();
@@ -604,6 +607,7 @@ async fn a_rename_right_after_the_last_close_waits_for_the_release() {
         write: true,
         truncate: false,
         append: true,
+        exclusive: false,
     };
     // Two writers: the second stages the file.
     let (a, b) = (
@@ -1026,4 +1030,41 @@ async fn xattrs_round_trip_in_s3fs_encoding(store: Store) {
         again.change_xattr(b.ino, "user.foo", None, 0).await,
         Err(FsError::NoAttr)
     ));
+}
+
+#[tokio::test]
+async fn an_exclusive_create_never_overwrites_what_another_client_created_meanwhile() {
+    let mem = Arc::new(MemClient::new());
+    let fs = fs_with(mem.clone(), "");
+    assert!(!names(&fs, ROOT).await.contains(&"streamed".to_string()));
+    // Created by another client after this mount's listing said the name was free.
+    mem.insert("streamed", "theirs");
+    mem.insert("staged", "theirs");
+    let excl = OpenMode {
+        exclusive: true,
+        ..W
+    };
+    let (_, fh) = fs.create(ROOT, "streamed", excl).await.unwrap();
+    fs.write(fh, 0, b"mine", Some(1)).await.unwrap();
+    assert!(fs.flush(fh, 1).await.is_err(), "refused: the key exists");
+    let _ = fs.release(fh).await;
+    let (_, fh) = fs.create(ROOT, "staged", excl).await.unwrap();
+    fs.write(fh, 0, b"mine", Some(1)).await.unwrap();
+    fs.write(fh, 1, b"I", Some(1)).await.unwrap(); // staged now
+    assert!(fs.flush(fh, 1).await.is_err(), "refused: the key exists");
+    let _ = fs.release(fh).await;
+    assert_eq!(mem.get("streamed").unwrap().as_ref(), b"theirs");
+    assert_eq!(mem.get("staged").unwrap().as_ref(), b"theirs");
+    // Without a rival the same creates go through.
+    for name in ["a", "b"] {
+        let (_, fh) = fs.create(ROOT, name, excl).await.unwrap();
+        fs.write(fh, 0, b"mine", Some(1)).await.unwrap();
+        if name == "b" {
+            fs.write(fh, 1, b"I", Some(1)).await.unwrap();
+        }
+        fs.flush(fh, 1).await.unwrap();
+        fs.release(fh).await.unwrap();
+    }
+    assert_eq!(mem.get("a").unwrap().as_ref(), b"mine");
+    assert_eq!(mem.get("b").unwrap().as_ref(), b"mIne");
 }

@@ -11,7 +11,7 @@
 
 use super::error::{FsError, FsResult};
 use super::prefetch::BUDGET_UNIT;
-use crate::s3::{CompletedPart, ObjectClient, ObjectMeta, S3Error};
+use crate::s3::{CompletedPart, ObjectClient, ObjectMeta, S3Error, WriteCondition};
 use bytes::{Bytes, BytesMut};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -83,6 +83,8 @@ pub struct Upload {
     /// one was started, was created with.
     meta: Option<crate::s3::UserMeta>,
     meta_sent: Option<crate::s3::UserMeta>,
+    /// The object must not exist when it is written (`If-None-Match: *`, see `create_only`).
+    create_only: bool,
 }
 
 impl Upload {
@@ -109,7 +111,19 @@ impl Upload {
             failed: None,
             meta: None,
             meta_sent: None,
+            create_only: false,
         }
+    }
+
+    /// The object is written only if the key does not exist by then (an `O_EXCL` create):
+    /// S3 refuses it otherwise (`PreconditionFailed`, EIO) and keeps what is there.
+    pub fn create_only(mut self) -> Self {
+        self.create_only = true;
+        self
+    }
+
+    pub fn is_create_only(&self) -> bool {
+        self.create_only
     }
 
     /// The user metadata the object is to carry. Takes effect for the multipart upload
@@ -306,13 +320,15 @@ impl Upload {
         if let Some(e) = &self.failed {
             return Err(e.clone());
         }
+        // Not for an empty body: moto never answers a conditional PUT of one.
+        let cond = (self.create_only && self.written > 0).then_some(WriteCondition::IfNoneMatch);
         let Some(id) = self.upload_id.clone() else {
             let body = std::mem::take(&mut self.buf).freeze();
             self.meta_sent = self.meta.clone();
-            return match &self.meta {
-                Some(m) => self.client.put_object_with_meta(&self.key, body, m).await,
-                None => self.client.put_object(&self.key, body).await,
-            };
+            return self
+                .client
+                .put_object_if(&self.key, body, cond.as_ref(), self.meta.as_ref())
+                .await;
         };
         if !self.buf.is_empty() {
             let rest = std::mem::take(&mut self.buf).freeze();
@@ -324,7 +340,7 @@ impl Upload {
         let parts = std::mem::take(&mut self.parts);
         let meta = self
             .client
-            .complete_multipart(&self.key, &id, parts)
+            .complete_multipart_if(&self.key, &id, parts, cond.as_ref())
             .await?;
         self.upload_id = None;
         Ok(meta)

@@ -71,7 +71,10 @@ impl S3Fs {
             writable: true,
             append: mode.append,
             created: true,
-            state: FileState::Write(self.new_upload(key)),
+            state: FileState::Write(match mode.exclusive {
+                true => self.new_upload(key).create_only(),
+                false => self.new_upload(key),
+            }),
         }))));
         let mut t = self.inodes();
         let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
@@ -300,7 +303,11 @@ impl S3Fs {
             // A multipart upload started with older metadata, or a change came meanwhile.
             self.schedule_save(ino);
         }
-        if let Err(e) = &result {
+        if let Err(FsError::UploadFailed(S3Error::PreconditionFailed)) = &result {
+            tracing::error!(key = %f.key,
+                "another client created or replaced the object meanwhile (an O_EXCL create, \
+                 or writing on after a commit): theirs is kept, the application gets EIO");
+        } else if let Err(e) = &result {
             tracing::error!(key = %f.key, error = %e, "upload failed; the application gets EIO");
         } else if unlinked {
             tracing::debug!(key = %f.key, "file was unlinked or replaced while being written");

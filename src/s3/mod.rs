@@ -103,6 +103,31 @@ pub struct CompletedPart {
     pub etag: String,
 }
 
+/// Whether the store honours conditional writes, learnt from one PUT that must be refused:
+/// `If-Match` on `probe_key`, a key nobody uses, so a store that checks the condition
+/// answers 404/412 and writes nothing. `Some(false)`: 501, or the object was written (the
+/// header was ignored; the object is removed again). `None`: no answer that tells (an
+/// error, no permission to write).
+pub async fn honours_conditional_writes(
+    client: &dyn ObjectClient,
+    probe_key: &str,
+) -> Option<bool> {
+    let never = WriteCondition::IfMatch("\"s3csi-probe-matches-no-object\"".into());
+    // One byte: moto never answers a conditional PUT of an empty body.
+    match client
+        .put_object_if(probe_key, Bytes::from_static(b"p"), Some(&never), None)
+        .await
+    {
+        Err(S3Error::NotFound | S3Error::PreconditionFailed) => Some(true),
+        Err(S3Error::NotImplemented(_)) => Some(false),
+        Ok(_) => {
+            let _ = client.delete_object(probe_key).await;
+            Some(false)
+        }
+        Err(_) => None,
+    }
+}
+
 #[async_trait]
 pub trait ObjectClient: Send + Sync + 'static {
     async fn head_object(&self, key: &str) -> S3Result<ObjectMeta>;

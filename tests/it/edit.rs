@@ -369,6 +369,48 @@ fn an_uncommitted_edit_is_kept_in_lost_found_after_a_mounter_crash() {
     assert!(m.log_text().contains("lost+found"));
 }
 
+#[test]
+fn an_exclusive_create_does_not_overwrite_another_clients_new_object() {
+    let bucket = new_bucket("edit-excl");
+    let m = Mount::start(&bucket, &[]);
+    fs::create_dir(m.path("d")).unwrap();
+    assert_eq!(fs::read_dir(m.path("d")).unwrap().count(), 0);
+    // Another client creates the name after this mount listed the directory empty.
+    put(&bucket, "d/lock", b"theirs".to_vec());
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(m.path("d/lock"))
+        .expect("the mount's listing said the name was free");
+    f.write_all(b"mine").unwrap();
+    let err = close_checked(f).expect_err("close must fail: the key exists in S3");
+    assert_eq!(errno(&err), libc::EIO, "{err}");
+    assert_eq!(s3_get(&bucket, "d/lock").unwrap(), b"theirs");
+    // Without a rival, O_EXCL creates work as before.
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(m.path("d/free"))
+        .unwrap();
+    f.write_all(b"mine").unwrap();
+    close_checked(f).unwrap();
+    assert_eq!(s3_get(&bucket, "d/free").unwrap(), b"mine");
+    assert!(
+        m.log_text().contains("d/lock"),
+        "one log line names the key"
+    );
+}
+
+/// A new file open for reading and writing.
+fn read_write_new(path: &std::path::Path) -> fs::File {
+    fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .unwrap()
+}
+
 /// Polls S3 until `key` holds `want` (write-back uploads in the background).
 fn wait_for_s3(bucket: &str, key: &str, want: &[u8]) {
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -426,13 +468,7 @@ fn write_back_keeps_edits_on_local_disk_until_their_upload() {
         .unwrap()
         .write_all(b"+more")
         .unwrap();
-    let mut g = fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(m.path("new"))
-        .unwrap();
+    let mut g = read_write_new(&m.path("new"));
     g.write_all(b"fresh").unwrap();
     g.seek(SeekFrom::Start(0)).unwrap();
     let mut back = String::new();
@@ -441,13 +477,7 @@ fn write_back_keeps_edits_on_local_disk_until_their_upload() {
     close_checked(g).unwrap();
     assert!(s3_get(&bucket, "new").is_none());
     // A kept file that is removed is never uploaded.
-    let mut gone = fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(m.path("gone"))
-        .unwrap();
+    let mut gone = read_write_new(&m.path("gone"));
     gone.write_all(b"x").unwrap();
     gone.seek(SeekFrom::Start(0)).unwrap();
     gone.read_exact(&mut [0u8; 1]).unwrap();

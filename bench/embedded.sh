@@ -1,0 +1,52 @@
+# Shared by bench/ls_fast.sh and bench/edit_fast.sh (sourced, not run): the embedded
+# `s3csi s3-server` on a free loopback port behind one latency proxy, pinned to the last
+# CPU like run.sh's server side (clients on the others), and the helpers both use.
+# Needs WORK (holding copies of s3csi and s3bench) and RTT; sets DIRECT (the server),
+# PPORT (the proxy's port; bytes sent through it are counted in $WORK/sent), MNT, SERVER
+# and CLIENT (taskset prefixes) and FSPID (by wait_mounted).
+export AWS_ACCESS_KEY_ID=s3csi-demo AWS_SECRET_ACCESS_KEY=s3csi-demo-secret AWS_REGION=us-east-1
+export S3CSI_S3_SECRET_KEY=$AWS_SECRET_ACCESS_KEY RUST_BACKTRACE=0
+log() { echo "[$(date +%T)] $*" >&2; }
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+NCPU=$(nproc)
+SERVER=() CLIENT=()
+if [ "$NCPU" -ge 2 ] && command -v taskset >/dev/null; then
+  SERVER=(taskset -c "$((NCPU - 1))") CLIENT=(taskset -c "0-$((NCPU - 2))")
+fi
+PIDS=() MNT=$WORK/mnt
+cleanup() {
+  mountpoint -q "$MNT" && { fusermount3 -u "$MNT" 2>/dev/null || umount -l "$MNT"; }
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done
+  wait 2>/dev/null
+  rm -rf "$WORK/data" "$WORK/cache-wb" "$WORK/rclone-cache"
+}
+trap cleanup EXIT
+
+"${SERVER[@]}" "$WORK/s3csi" s3-server --listen 127.0.0.1:0 --dir "$WORK/data" --bucket bench \
+  --log-level warn >"$WORK/server.out" 2>"$WORK/server.log" &
+PIDS+=($!)
+for _ in $(seq 100); do grep -q '^listening on' "$WORK/server.out" && break; sleep 0.1; done
+DIRECT=$(sed -n 's/^listening on //p' "$WORK/server.out" | head -1)
+[ -n "$DIRECT" ] || { echo "the embedded server did not start" >&2; cat "$WORK/server.log" >&2; exit 1; }
+PPORT=$(free_port)
+"${SERVER[@]}" "$WORK/s3bench" proxy --listen "127.0.0.1:$PPORT" --upstream "${DIRECT#http://}" \
+  --delay-ms $((RTT / 2)) --bytes-file "$WORK/sent" >/dev/null 2>&1 &
+PIDS+=($!)
+sleep 0.3
+printf '%s:%s\n' "$AWS_ACCESS_KEY_ID" "$AWS_SECRET_ACCESS_KEY" >"$WORK/passwd-s3fs"
+chmod 600 "$WORK/passwd-s3fs"
+mkdir -p "$MNT"
+
+# After a mount command was started in the background: waits until $MNT is mounted.
+wait_mounted() { # NAME
+  FSPID=$!
+  for _ in $(seq 150); do mountpoint -q "$MNT" && return 0; kill -0 "$FSPID" 2>/dev/null || break; sleep 0.1; done
+  echo "$1 did not mount (see $WORK/$1.log)" >&2
+  return 1
+}
+umount_one() {
+  fusermount3 -u "$MNT" 2>/dev/null || umount "$MNT" 2>/dev/null || umount -l "$MNT"
+  for _ in $(seq 600); do kill -0 "$FSPID" 2>/dev/null || break; sleep 0.1; done
+  kill "$FSPID" 2>/dev/null; wait "$FSPID" 2>/dev/null
+}
+median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{ a[NR] = $1 } END { if (NR) print a[int((NR + 1) / 2)] }'; }
