@@ -328,28 +328,29 @@ bench_ls() { # FS RUN TREE NAME
 }
 
 # Waits until rclone-w has no upload queued or under way; prints the seconds it waited.
-# rclone may report idle for a moment before its write-back queues the close's upload (a
-# 1 GiB append's upload then landed in the next row), so it must report idle twice, 0.3 s
-# apart; the second look's wait is not counted.
+# rclone reports idle for a while after a close before its write-back queues the upload (a
+# 1 GiB append's upload then landed in the next row), so the wait also lasts until nothing
+# went through its proxy for 2 s; those 2 s are not counted.
 rclone_uploaded() {
-  local t0 t1 n idle=0
+  local t0 t1 n quiet=0 last sent
   t0=$(now)
-  for _ in $(seq 6000); do
+  last=$(cat "$WORK/proxy-rclone-w.bytes" 2>/dev/null)
+  for _ in $(seq 30000); do
     n=$(rclone rc --url "http://127.0.0.1:$RC_PORT" vfs/stats 2>/dev/null | python3 -c '
 import json, sys
 c = json.load(sys.stdin).get("diskCache", {})
 print(c.get("uploadsInProgress", 0) + c.get("uploadsQueued", 0))' 2>/dev/null)
-    if [ "$n" = 0 ]; then
-      idle=$((idle + 1))
-      [ "$idle" -ge 2 ] && break
-      sleep 0.3
+    sleep 0.2
+    sent=$(cat "$WORK/proxy-rclone-w.bytes" 2>/dev/null)
+    if [ "$n" = 0 ] && [ "$sent" = "$last" ]; then
+      quiet=$((quiet + 1))
+      [ "$quiet" -ge 10 ] && break
     else
-      idle=0
-      sleep 0.05
+      quiet=0 last=$sent
     fi
   done
   t1=$(now)
-  awk -v a="$t0" -v b="$t1" 'BEGIN { v = b - a - 0.3; printf "%.3f", v < 0 ? 0 : v }'
+  awk -v a="$t0" -v b="$t1" 'BEGIN { v = b - a - 2; printf "%.3f", v < 0 ? 0 : v }'
 }
 
 # Waits until s3csi-wb keeps no edit for upload (its cache dir holds no staged file);

@@ -37,7 +37,7 @@ const FETCH_BLOCK: u64 = 1024 * 1024;
 /// `WHOLE_FILL_MAX` is fetched whole: scattered edits (a database, 1000 random writes)
 /// then wait for S3 a few times, not once per MiB they touch.
 const FILLS_BEFORE_WHOLE: u32 = 4;
-const WHOLE_FILL_MAX: u64 = 512 * 1024 * 1024;
+const WHOLE_FILL_MAX: u64 = 2 * 1024 * 1024 * 1024;
 /// A fill's GETs: at most this long each, this many in flight.
 const FILL_GET_MAX: u64 = 8 * 1024 * 1024;
 const FILL_GETS_IN_FLIGHT: usize = 4;
