@@ -270,12 +270,18 @@ impl ObjectClient for DeferredDeletes {
             .await
     }
 
-    async fn copy_object(&self, src: &str, dst: &str, size: u64) -> S3Result<()> {
+    async fn copy_object_if(
+        &self,
+        src: &str,
+        dst: &str,
+        size: u64,
+        src_etag: Option<&str>,
+    ) -> S3Result<()> {
         self.settle(dst).await;
         if lock(&self.ledger).pending.contains_key(src) {
             return Err(S3Error::NotFound);
         }
-        self.inner.copy_object(src, dst, size).await
+        self.inner.copy_object_if(src, dst, size, src_etag).await
     }
 
     async fn delete_object(&self, key: &str) -> S3Result<()> {

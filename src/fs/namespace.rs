@@ -227,7 +227,7 @@ impl S3Fs {
                 tracing::debug!(key = %src_key, error = %e, "metadata not saved before rename");
             }
             self.client
-                .copy_object(&src_key, &dst_key, src.size)
+                .copy_object_if(&src_key, &dst_key, src.size, src.etag.as_deref())
                 .await?;
             self.client.delete_object(&src_key).await?;
         }
@@ -360,9 +360,13 @@ impl S3Fs {
             .iter()
             .map(|o| {
                 let (client, key, size) = (self.client.clone(), o.key.clone(), o.size);
+                let etag = o.etag.clone();
                 let to = format!("{dst_prefix}{}", &key[src_prefix.len()..]);
                 async move {
-                    let done = client.copy_object(&key, &to, size).await;
+                    // Only the version listed: one replaced meanwhile fails the rename.
+                    let done = client
+                        .copy_object_if(&key, &to, size, etag.as_deref())
+                        .await;
                     (to, done)
                 }
             })

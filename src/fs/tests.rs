@@ -1068,3 +1068,18 @@ async fn an_exclusive_create_never_overwrites_what_another_client_created_meanwh
     assert_eq!(mem.get("a").unwrap().as_ref(), b"mine");
     assert_eq!(mem.get("b").unwrap().as_ref(), b"mIne");
 }
+
+#[tokio::test]
+async fn rename_copies_only_the_version_this_mount_knows() {
+    let mem = Arc::new(MemClient::new());
+    mem.insert("a", "v1");
+    let fs = fs_with(mem.clone(), "");
+    let a = fs.lookup(ROOT, "a").await.unwrap();
+    assert_eq!(a.size, 2);
+    // Another client replaces it within the metadata TTL: the copy must not take theirs
+    // under the new name while this mount believes it moved v1.
+    mem.insert("a", "v2 by another client");
+    assert!(fs.rename(ROOT, "a", ROOT, "b", false).await.is_err());
+    assert_eq!(mem.get("a").unwrap().as_ref(), b"v2 by another client");
+    assert!(mem.get("b").is_none());
+}

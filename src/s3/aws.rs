@@ -653,7 +653,13 @@ impl ObjectClient for AwsClient {
         Ok(())
     }
 
-    async fn copy_object(&self, src: &str, dst: &str, size: u64) -> S3Result<()> {
+    async fn copy_object_if(
+        &self,
+        src: &str,
+        dst: &str,
+        size: u64,
+        src_etag: Option<&str>,
+    ) -> S3Result<()> {
         let source = copy_source(&self.bucket, src);
         if size <= MAX_SINGLE_COPY {
             self.client
@@ -661,6 +667,7 @@ impl ObjectClient for AwsClient {
                 .bucket(&self.bucket)
                 .key(dst)
                 .copy_source(&source)
+                .set_copy_source_if_match(src_etag.map(str::to_string))
                 .send()
                 .await
                 .map_err(map_err)?;
@@ -678,7 +685,7 @@ impl ObjectClient for AwsClient {
         while start < size {
             let end = (start + COPY_PART).min(size);
             let res = self
-                .upload_part_copy(dst, &upload_id, number, src, None, start, end)
+                .upload_part_copy(dst, &upload_id, number, src, src_etag, start, end)
                 .await;
             match res {
                 Ok(part) => parts.push(part),

@@ -297,7 +297,18 @@ impl ObjectClient for MemClient {
         })
     }
 
-    async fn copy_object(&self, src: &str, dst: &str, _size: u64) -> S3Result<()> {
+    async fn copy_object_if(
+        &self,
+        src: &str,
+        dst: &str,
+        _size: u64,
+        src_etag: Option<&str>,
+    ) -> S3Result<()> {
+        if let Some(want) = src_etag {
+            if self.head_object(src).await?.etag.as_deref() != Some(want) {
+                return Err(S3Error::PreconditionFailed);
+            }
+        }
         let body = self.get(src).ok_or(S3Error::NotFound)?;
         // CopyObject keeps the source's metadata (MetadataDirective=COPY).
         let meta = self.user_meta(src);

@@ -268,9 +268,18 @@ impl ObjectClient for MeteredClient {
         .await
     }
 
-    async fn copy_object(&self, src: &str, dst: &str, size: u64) -> S3Result<()> {
-        self.timed("CopyObject", self.inner.copy_object(src, dst, size))
-            .await
+    async fn copy_object_if(
+        &self,
+        src: &str,
+        dst: &str,
+        size: u64,
+        src_etag: Option<&str>,
+    ) -> S3Result<()> {
+        self.timed(
+            "CopyObject",
+            self.inner.copy_object_if(src, dst, size, src_etag),
+        )
+        .await
     }
 
     async fn delete_object(&self, key: &str) -> S3Result<()> {

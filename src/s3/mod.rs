@@ -196,7 +196,18 @@ pub trait ObjectClient: Send + Sync + 'static {
         end: u64,
     ) -> S3Result<CompletedPart>;
     /// Copy `src` onto `dst` within the bucket; `size` picks single or multipart copy.
-    async fn copy_object(&self, src: &str, dst: &str, size: u64) -> S3Result<()>;
+    async fn copy_object(&self, src: &str, dst: &str, size: u64) -> S3Result<()> {
+        self.copy_object_if(src, dst, size, None).await
+    }
+    /// The same, only from the version of `src` whose ETag is `src_etag` when given
+    /// (`x-amz-copy-source-if-match`): `PreconditionFailed` once `src` holds another.
+    async fn copy_object_if(
+        &self,
+        src: &str,
+        dst: &str,
+        size: u64,
+        src_etag: Option<&str>,
+    ) -> S3Result<()>;
     async fn delete_object(&self, key: &str) -> S3Result<()>;
 
     // ---- user metadata. The defaults drop it, so that a client without metadata
