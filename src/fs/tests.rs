@@ -862,8 +862,17 @@ async fn s3fs_metadata_is_shown_and_listings_load_it_in_one_batch(store: Store) 
         );
     }
     if let Store::Mem(mem) = &store {
-        // The listing's HEADs answered every lookup above: none asks S3 again.
-        let before = mem.metadata_requests();
+        // The listing's HEADs answered every lookup above: none asks S3 again (once the
+        // listing's last HEADs, sent in the background, are answered).
+        let mut before = mem.metadata_requests();
+        loop {
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            let now = mem.metadata_requests();
+            if now == before {
+                break;
+            }
+            before = now;
+        }
         for n in ["f", "lnk", "fifo", "sub", "bad", "plain"] {
             fs.lookup(d.ino, n).await.unwrap();
         }
