@@ -108,13 +108,9 @@ impl S3Fs {
             self.await_pending(ino).await?;
             i = self.inode(ino)?;
         }
-        if i.writer.is_some() && !mode.write {
-            return Err(FsError::Busy(
-                "the file is being written; open it after close",
-            ));
-        }
-        let staged = if mode.write && i.writer.is_some() {
-            // A second writer: both share one staged copy from now on.
+        let staged = if i.writer.is_some() {
+            // A second writer, or a reader of a stream: all share one staged copy from now
+            // on, so every descriptor sees every byte written.
             Some(self.stage_inode(ino, 0).await?)
         } else {
             self.staged_of(ino)

@@ -170,6 +170,35 @@ fn edits_of_a_1_gib_object_on_the_embedded_server_send_only_the_edited_parts() {
 }
 
 #[test]
+fn a_reader_of_a_file_being_streamed_sees_what_was_written() {
+    let bucket = new_bucket("edit-read-stream");
+    let m = Mount::start(&bucket, &["--part-size", "5MiB"]);
+    // Small (nothing sent yet) and large (parts already uploaded) streams.
+    for (name, first) in [("small", 1000usize), ("large", 12 * MIB as usize)] {
+        let mut rng = Rng::from_env("edit-read-stream", first as u64);
+        let (a, b) = (rng.bytes(first), rng.bytes(3000));
+        let mut w = fs::File::create(m.path(name)).unwrap();
+        w.write_all(&a).unwrap();
+        // `tail -f`, `cat` of a file being written: no EBUSY, the bytes so far.
+        let mut r = fs::File::open(m.path(name)).expect("a reader opens a file being written");
+        let mut got = Vec::new();
+        r.read_to_end(&mut got).unwrap();
+        assert!(got == a, "{name}: the reader sees what was written so far");
+        w.write_all(&b).unwrap();
+        let mut more = Vec::new();
+        r.read_to_end(&mut more).unwrap();
+        assert!(more == b, "{name}: and what is written next");
+        close_checked(w).unwrap();
+        drop(r);
+        let want: Vec<u8> = a.iter().chain(&b).copied().collect();
+        assert!(
+            s3_get(&bucket, name).unwrap() == want,
+            "{name}: S3 holds all of it"
+        );
+    }
+}
+
+#[test]
 fn writes_anywhere_truncates_and_appends_from_two_descriptors() {
     let bucket = new_bucket("edit-small");
     let m = Mount::start(&bucket, &[]);
