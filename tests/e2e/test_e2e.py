@@ -350,6 +350,11 @@ def gone_after_delete(name: str, grace: int) -> float:
 
 
 def test_6_workload_deleted_mounter_and_secret_gone(release: Release) -> None:
+    # Scenario 5's upgrade leaves old driver pods terminating for up to their 30 s grace;
+    # the kubelet only started stopping w1 once they were gone (seen twice: w1 took 38 s
+    # and 40+ s, StopContainer 34 s after the delete). Measure w1's deletion, not theirs.
+    wait_for(lambda: not any(p["metadata"].get("deletionTimestamp") for p in get("pods", ns=NS)),
+             90, "the upgrade's old driver pods gone")
     (mounter,) = mounter_pods()
     name = mounter["metadata"]["name"]
     secrets = [s["metadata"]["name"] for s in get("secrets", ns=NS)
