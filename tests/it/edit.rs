@@ -440,6 +440,20 @@ fn read_write_new(path: &std::path::Path) -> fs::File {
         .unwrap()
 }
 
+/// A Python script that creates table `t` in the SQLite database `db` and inserts 20
+/// transactions of `per_transaction` rows (`row 0`, `row 1`, ...), then closes it.
+fn sqlite_inserts(db: &std::path::Path, per_transaction: usize) -> String {
+    format!(
+        "import sqlite3\n\
+         c = sqlite3.connect({db:?})\n\
+         c.execute('create table t(i integer primary key, v text)')\n\
+         for b in range(20):\n\
+         \x20   with c:\n\
+         \x20       c.executemany('insert into t(v) values(?)', [('row %d' % (b * {per_transaction} + i),) for i in range({per_transaction})])\n\
+         c.close()\n"
+    )
+}
+
 /// Polls S3 until `key` holds `want` (write-back uploads in the background).
 fn wait_for_s3(bucket: &str, key: &str, want: &[u8]) {
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -524,16 +538,7 @@ fn write_back_keeps_edits_on_local_disk_until_their_upload() {
     assert!(s3_get(&bucket, "moved").is_none());
     // SQLite at local speed; the unmount uploads what is still kept.
     let db = m.path("db.sqlite");
-    let script = format!(
-        "import sqlite3\n\
-         c = sqlite3.connect({db:?})\n\
-         c.execute('create table t(i integer primary key, v text)')\n\
-         for b in range(20):\n\
-         \x20   with c:\n\
-         \x20       c.executemany('insert into t(v) values(?)', [('row %d' % (b * 100 + i),) for i in range(100)])\n\
-         c.close()\n"
-    );
-    run(Command::new("python3").args(["-c", &script]));
+    run(Command::new("python3").args(["-c", &sqlite_inserts(&db, 100)]));
     m.stop();
     assert_eq!(s3_get(&bucket, "f").unwrap(), b"coEDITted+more");
     assert_eq!(s3_get(&bucket, "new").unwrap(), b"fresh");
@@ -632,15 +637,9 @@ fn sqlite_git_and_tar_work_on_the_mount() {
     // SQLite: create, 10 000 rows in 20 transactions, reopen, integrity_check.
     let db = m.path("db.sqlite");
     let script = format!(
-        "import sqlite3\n\
-         c = sqlite3.connect({db:?})\n\
-         c.execute('create table t(i integer primary key, v text)')\n\
-         for b in range(20):\n\
-         \x20   with c:\n\
-         \x20       c.executemany('insert into t(v) values(?)', [('row %d' % (b * 500 + i),) for i in range(500)])\n\
-         c.close()\n\
-         c = sqlite3.connect({db:?})\n\
-         print(c.execute('select count(*), max(v) from t').fetchone(), c.execute('pragma integrity_check').fetchone()[0])\n"
+        "{}c = sqlite3.connect({db:?})\n\
+         print(c.execute('select count(*), max(v) from t').fetchone(), c.execute('pragma integrity_check').fetchone()[0])\n",
+        sqlite_inserts(&db, 500)
     );
     let start = Instant::now();
     let out = run(Command::new("python3").args(["-c", &script]));
