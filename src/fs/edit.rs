@@ -221,7 +221,7 @@ impl S3Fs {
         }
         if self.keeps_for_write_back(ino, s) {
             self.settle_staged(ino, s, false).await?;
-            self.schedule_write_back(ino, self.cfg.write_back.unwrap_or_default(), 0);
+            self.write_back_after_last_close(ino);
             return Ok(());
         }
         let result = self.commit_staged(ino, s).await;
@@ -262,9 +262,25 @@ impl S3Fs {
                 .is_some_and(|cur| Arc::ptr_eq(cur, s))
     }
 
+    /// Commits `s` now, then drops it unless a handle has the file open or wrote to the
+    /// copy since (it is then committed again at its close).
+    pub(super) async fn commit_and_drop_if_unused(&self, ino: u64, s: &Staged) -> FsResult<()> {
+        self.commit_staged(ino, s).await?;
+        let unused = self.inodes().get(ino).is_none_or(|i| i.open_handles == 0);
+        if unused && !s.lock().await.is_dirty() {
+            self.unstage(ino, s);
+        }
+        Ok(())
+    }
+
+    /// The last close of a kept edit: its upload is due `--write-back` from now.
+    pub(super) fn write_back_after_last_close(&self, ino: u64) {
+        self.schedule_write_back(ino, self.cfg.write_back.unwrap_or_default(), 0);
+    }
+
     /// Due for upload `after` from now (an earlier due time is replaced: the delay runs
     /// from the last close); `failures`: uploads of it that failed so far.
-    pub(super) fn schedule_write_back(&self, ino: u64, after: Duration, failures: u32) {
+    fn schedule_write_back(&self, ino: u64, after: Duration, failures: u32) {
         lock(&self.write_back).insert(ino, (Instant::now() + after, failures));
         self.write_back_wake.notify_one();
     }
@@ -311,14 +327,8 @@ impl S3Fs {
         let Some(s) = self.staged_of(ino) else {
             return;
         };
-        match self.commit_staged(ino, &s).await {
-            Ok(()) => {
-                let idle = self.inode(ino).map(|i| i.open_handles == 0).unwrap_or(true);
-                if idle && !s.lock().await.is_dirty() {
-                    self.unstage(ino, &s);
-                }
-            }
-            Err(FsError::Conflict) => {}
+        match self.commit_and_drop_if_unused(ino, &s).await {
+            Ok(()) | Err(FsError::Conflict) => {}
             Err(e) => {
                 let retry = Duration::from_secs(5 << failures.min(6)).min(WRITE_BACK_RETRY_MAX);
                 let key = s.lock().await.key().to_string();
@@ -339,13 +349,7 @@ impl S3Fs {
             return true;
         }
         lock(&self.write_back).remove(&ino);
-        if self.commit_staged(ino, &s).await.is_err() {
-            return false;
-        }
-        if self.inode(ino).is_ok_and(|i| i.open_handles == 0) {
-            self.unstage(ino, &s);
-        }
-        true
+        self.commit_and_drop_if_unused(ino, &s).await.is_ok()
     }
 
     /// Commits the edits a dead predecessor kept for upload (`--write-back`), before

@@ -461,15 +461,11 @@ impl S3Fs {
         if own.is_none() && self.keeps_for_write_back(ino, &s) {
             self.settle_staged(ino, &s, false).await?;
             if self.inodes().get(ino).is_some_and(|i| i.open_handles == 0) {
-                self.schedule_write_back(ino, self.cfg.write_back.unwrap_or_default(), 0);
+                self.write_back_after_last_close(ino);
             }
         } else if own.is_none() {
             // No descriptor will close this: make it durable now.
-            self.commit_staged(ino, &s).await?;
-            let unused = self.inodes().get(ino).is_none_or(|i| i.open_handles == 0);
-            if unused {
-                self.unstage(ino, &s);
-            }
+            self.commit_and_drop_if_unused(ino, &s).await?;
         }
         Ok(self.attr_of(&self.inode(ino)?))
     }

@@ -18,6 +18,15 @@ use std::time::{Duration, Instant};
 
 const MIB: u64 = 1024 * 1024;
 
+/// The edits kept in `cache/lost+found` (not the `.json` notes beside them).
+fn lost_found_edits(cache: &std::path::Path) -> Vec<std::path::PathBuf> {
+    fs::read_dir(cache.join("lost+found"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_none_or(|x| x != "json"))
+        .collect()
+}
+
 fn errno(e: &std::io::Error) -> i32 {
     e.raw_os_error().unwrap_or(-1)
 }
@@ -266,14 +275,8 @@ fn another_clients_overwrite_during_an_edit_is_kept_and_the_edit_goes_to_lost_fo
         s3_get(&bucket, "doc").unwrap(),
         b"theirs, written meanwhile"
     );
-    let lost: Vec<_> = fs::read_dir(cache.join("lost+found"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .collect();
-    let data = lost
-        .iter()
-        .find(|p| p.extension().is_none_or(|x| x != "json"))
-        .expect("the edit is in lost+found");
+    let lost = lost_found_edits(&cache);
+    let data = lost.first().expect("the edit is in lost+found");
     assert_eq!(&fs::read(data).unwrap()[..4], b"MINE");
     let note = fs::read_to_string(data.with_extension("json")).unwrap();
     assert!(note.contains("\"key\":\"doc\""), "{note}");
@@ -388,11 +391,7 @@ fn an_uncommitted_edit_is_kept_in_lost_found_after_a_mounter_crash() {
         b"committed",
         "S3 kept the last commit"
     );
-    let kept: Vec<_> = fs::read_dir(cache.join("lost+found"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_none_or(|x| x != "json"))
-        .collect();
+    let kept = lost_found_edits(&cache);
     assert_eq!(kept.len(), 1, "{kept:?}");
     assert_eq!(fs::read(&kept[0]).unwrap(), b"coUNSAVED");
     assert!(m.log_text().contains("lost+found"));
@@ -603,11 +602,7 @@ fn write_back_edits_a_crashed_mount_kept_are_uploaded_by_the_next_one() {
         s3_get(&bucket, "theirs").unwrap(),
         b"replaced by another client"
     );
-    let kept: Vec<_> = fs::read_dir(cache.join("lost+found"))
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_none_or(|x| x != "json"))
-        .collect();
+    let kept = lost_found_edits(&cache);
     assert_eq!(kept.len(), 1, "{kept:?}");
     assert_eq!(fs::read(&kept[0]).unwrap(), b"orMINE!l");
 }
