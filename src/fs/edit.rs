@@ -13,6 +13,33 @@ use super::*;
 use futures::StreamExt;
 
 pub(super) type Staged = Arc<tokio::sync::Mutex<StagedFile>>;
+type StagedGuard = tokio::sync::OwnedMutexGuard<StagedFile>;
+
+/// An edit open while a rename moves its file: committed, so that S3 holds every byte
+/// written so far and the rename copies them, and locked, so that nothing is written to
+/// it or committed under the old name until `moved_edit` gives it the new one.
+pub(super) struct HeldEdit {
+    ino: u64,
+    file: StagedGuard,
+}
+
+impl HeldEdit {
+    pub(super) fn ino(&self) -> u64 {
+        self.ino
+    }
+
+    pub(super) fn size(&self) -> u64 {
+        self.file.size()
+    }
+
+    /// The version S3 holds of it (`None`: a store that gave no ETag).
+    pub(super) fn etag(&self) -> Option<String> {
+        self.file.base_etag().map(str::to_string)
+    }
+}
+
+/// No handle: `stage_inode` for a caller that is not a handle of the file.
+pub(super) const NO_HANDLE: u64 = 0;
 
 /// `--write-back` uploads sent at once.
 const WRITE_BACKS_IN_FLIGHT: usize = 16;
@@ -150,12 +177,23 @@ impl S3Fs {
     /// object) keeps the edit in lost+found and drops the copy; any other failure keeps
     /// it, so that a later fsync or close can try again.
     pub(super) async fn commit_staged(&self, ino: u64, s: &Staged) -> FsResult<()> {
-        let mut file = s.lock().await;
+        self.commit_locked(ino, s, s.clone().lock_owned().await)
+            .await
+            .map(drop)
+    }
+
+    /// `commit_staged` of the copy `file` locks; it is handed back locked once committed.
+    async fn commit_locked(
+        &self,
+        ino: u64,
+        s: &Staged,
+        mut file: StagedGuard,
+    ) -> FsResult<StagedGuard> {
         // The metadata as it is now goes with the commit (see `meta_update.rs`).
         let meta_change = self.inode(ino).map(|i| i.meta_changes).unwrap_or(0);
         let headers = self.upload_headers(ino);
         match file.commit(&self.commit_config(), headers.as_ref()).await {
-            Ok(None) => Ok(()),
+            Ok(None) => Ok(file),
             Ok(Some(meta)) => {
                 let mut t = self.inodes();
                 if let Some(i) = t.get_mut(ino) {
@@ -170,7 +208,8 @@ impl S3Fs {
                         i.meta_saved = i.meta_saved.max(meta_change);
                     }
                 }
-                Ok(())
+                drop(t);
+                Ok(file)
             }
             Err(FsError::Conflict) => {
                 tracing::error!(key = %file.key(),
@@ -376,6 +415,36 @@ impl S3Fs {
             }
         }
         failed
+    }
+
+    /// The edit of `ino`, a file being written (streamed or staged), committed and held
+    /// for a rename (see `HeldEdit`): a stream is turned into the staged copy first.
+    pub(super) async fn hold_open_edit(&self, ino: u64) -> FsResult<HeldEdit> {
+        let s = self.stage_inode(ino, NO_HANDLE).await?;
+        let file = self
+            .commit_locked(ino, &s, s.clone().lock_owned().await)
+            .await?;
+        Ok(HeldEdit { ino, file })
+    }
+
+    /// The rename copied a held edit's object to `key`: the staged copy builds on that
+    /// copy from now on (its ETag asked for: a copy's may differ from its source's).
+    pub(super) async fn moved_edit(&self, mut held: HeldEdit, key: &str) {
+        let etag = match self.client.head_object(key).await {
+            Ok(m) => m.etag,
+            Err(e) => {
+                // Still correct, only dearer: the next commit re-uploads it whole.
+                tracing::warn!(key, error = %e, "cannot read the ETag of a renamed open file");
+                None
+            }
+        };
+        if let Err(e) = held.file.rekey(key, etag.clone()) {
+            tracing::warn!(key, error = %e, "cannot record the new name of a renamed open file");
+        }
+        if let Some(i) = self.inodes().get_mut(held.ino) {
+            i.etag = etag;
+            i.validated = Some(Instant::now());
+        }
     }
 
     /// fallocate(2) on an open file (see `StagedFile::fallocate`).

@@ -111,7 +111,7 @@ impl S3Fs {
         let staged = if i.writer.is_some() {
             // A second writer, or a reader of a stream: all share one staged copy from now
             // on, so every descriptor sees every byte written.
-            Some(self.stage_inode(ino, 0).await?)
+            Some(self.stage_inode(ino, edit::NO_HANDLE).await?)
         } else {
             self.staged_of(ino)
         };
@@ -191,6 +191,21 @@ impl S3Fs {
         if let FileState::Committed = f.state {
             let i = self.inode(ino)?;
             f.state = FileState::Read(self.prefetcher(&i, i.size));
+        }
+        let renamed = match &f.state {
+            FileState::Read(p) => self.inodes().get(ino).is_some_and(|i| i.key != p.key()),
+            _ => false,
+        };
+        if renamed {
+            // Renamed while open: the same bytes, read from the copy under the new name.
+            let i = self.inode(ino)?;
+            let size = if self.fresh(&i) && i.etag.is_some() {
+                i.size
+            } else {
+                self.head_attr(ino, &i).await?.size
+            };
+            f.key = i.key.clone();
+            f.state = FileState::Read(self.prefetcher(&self.inode(ino)?, size));
         }
         match &mut f.state {
             FileState::Read(p) => {

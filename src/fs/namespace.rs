@@ -143,25 +143,7 @@ impl S3Fs {
             .child(parent, name)
             .cloned()
             .ok_or(FsError::NotFound)?;
-        if let Some(writer) = child.writer {
-            // Abandon the upload so closing the file does not bring it back.
-            if let Ok(file) = self.file_handle(writer) {
-                let mut f = file.lock().await;
-                if let FileState::Write(up) = &mut f.state {
-                    up.abort().await;
-                }
-                f.state = FileState::Discarded;
-            }
-            if let Some(i) = self.inodes().get_mut(child.ino) {
-                i.writer = None;
-                i.local_only = false;
-            }
-        }
-        if let Some(s) = self.staged_of(child.ino) {
-            // Open descriptors go on reading and writing their copy; nothing is committed.
-            s.lock().await.discard();
-            self.unstage(child.ino, &s);
-        }
+        self.abandon_writes(&child).await;
         if !child.local_only {
             self.client
                 .delete_object(&format!("{}{}", p.key, name))
@@ -169,6 +151,30 @@ impl S3Fs {
         }
         self.inodes().unbind(parent, name);
         Ok(())
+    }
+
+    /// `i` is unlinked or replaced while it may be open for writing: what its descriptors
+    /// write from now on reaches no object. A stream is aborted (closing the file must not
+    /// bring it back); a staged copy stays readable and writable for its descriptors, and
+    /// is never committed.
+    async fn abandon_writes(&self, i: &Inode) {
+        if let Some(writer) = i.writer {
+            if let Ok(file) = self.file_handle(writer) {
+                let mut f = file.lock().await;
+                if let FileState::Write(up) = &mut f.state {
+                    up.abort().await;
+                }
+                f.state = FileState::Discarded;
+            }
+            if let Some(i) = self.inodes().get_mut(i.ino) {
+                i.writer = None;
+                i.local_only = false;
+            }
+        }
+        if let Some(s) = self.staged_of(i.ino) {
+            s.lock().await.discard();
+            self.unstage(i.ino, &s);
+        }
     }
 
     pub async fn rename(
@@ -194,16 +200,11 @@ impl S3Fs {
                 .rename_dir(&src, new_parent, &dst_dir, new_name, no_replace)
                 .await;
         }
-        if !self.writing_settled(src.ino).await {
-            return Err(FsError::Busy(
-                "rename of a file that is still being written",
-            ));
-        }
         let dst_key = format!("{}{}", dst_dir.key, new_name);
         if dst_key.len() > MAX_KEY_LEN {
             return Err(FsError::NameTooLong);
         }
-        match self.resolve(new_parent, new_name).await {
+        let replaced = match self.resolve(new_parent, new_name).await {
             Ok(a) => {
                 // The copy must land after the target's own empty PUT, if one is under way.
                 let _ = self.await_pending(a.ino).await;
@@ -213,56 +214,60 @@ impl S3Fs {
                 if a.kind == Kind::Dir {
                     return Err(FsError::IsDir);
                 }
-                if !self.writing_settled(a.ino).await {
-                    return Err(FsError::Busy("rename onto a file that is being written"));
-                }
+                Some(a)
             }
-            Err(FsError::NotFound) => {}
+            Err(FsError::NotFound) => None,
             Err(e) => return Err(e),
-        }
+        };
         let src_key = format!("{}{}", src_dir.key, name);
-        if src_key != dst_key {
-            // The copy takes the object's metadata along: a pending change goes first.
-            if let Err(e) = self.save_meta(src.ino).await {
-                tracing::debug!(key = %src_key, error = %e, "metadata not saved before rename");
-            }
-            self.client
-                .copy_object_if(&src_key, &dst_key, src.size, src.etag.as_deref())
-                .await?;
-            self.client.delete_object(&src_key).await?;
+        if src_key == dst_key {
+            return Ok(());
         }
-        let mut t = self.inodes();
-        t.rebind(src.ino, new_parent, new_name);
-        if let Some(i) = t.get_mut(src.ino) {
-            // The size is known; the copy's ETag is not (a multipart object's copy has a
-            // plain one): the next open asks S3 (see `open`), so reads name the version.
-            i.validated = Some(Instant::now());
-            i.etag = None;
-            // The copy's Last-Modified is new (same ETag): the next listing supplies it.
-            i.meta_stamp = None;
+        // A file open for writing moves with what was written so far: committed first,
+        // and held until its staged copy knows the new name.
+        // (An edit kept for write-back that nobody has open is simply uploaded first.)
+        let writing = !self.write_back_idle(src.ino).await
+            || self
+                .inodes()
+                .get(src.ino)
+                .is_some_and(|i| i.being_written());
+        let held = if writing {
+            Some(self.hold_open_edit(src.ino).await?)
+        } else {
+            None
+        };
+        let (size, etag) = match &held {
+            Some(h) => (h.size(), h.etag()),
+            None => (src.size, src.etag.clone()),
+        };
+        // The copy takes the object's metadata along: a pending change goes first.
+        if let Err(e) = self.save_meta(src.ino).await {
+            tracing::debug!(key = %src_key, error = %e, "metadata not saved before rename");
+        }
+        self.client
+            .copy_object_if(&src_key, &dst_key, size, etag.as_deref())
+            .await?;
+        self.client.delete_object(&src_key).await?;
+        if let Some(a) = replaced.filter(|a| a.being_written()) {
+            // Its descriptors now write to a file no name leads to, as after an unlink.
+            self.abandon_writes(&a).await;
+        }
+        {
+            let mut t = self.inodes();
+            t.rebind(src.ino, new_parent, new_name);
+            if let Some(i) = t.get_mut(src.ino) {
+                // The size is known; the copy's ETag is not (a multipart object's copy has
+                // a plain one): the next open asks S3 (see `open`), so reads name the version.
+                i.validated = Some(Instant::now());
+                i.etag = None;
+                // The copy's Last-Modified is new (same ETag): the next listing supplies it.
+                i.meta_stamp = None;
+            }
+        }
+        if let Some(h) = held {
+            self.moved_edit(h, &dst_key).await;
         }
         Ok(())
-    }
-
-    /// True once `ino` is not being written. close(2) waits for our FLUSH (which commits)
-    /// but not for the RELEASE that ends the writing state: a rename right after the last
-    /// close may arrive first, so a writing state is given up to `RELEASE_WAIT` to end.
-    async fn writing_settled(&self, ino: u64) -> bool {
-        let deadline = Instant::now() + RELEASE_WAIT;
-        loop {
-            // An edit kept for write-back is uploaded first: S3 must hold it to copy it.
-            if !self.write_back_idle(ino).await {
-                return false;
-            }
-            let writing = self.inodes().get(ino).is_some_and(|i| i.being_written());
-            if !writing {
-                return true;
-            }
-            if Instant::now() >= deadline {
-                return false;
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
     }
 
     /// Renames a directory as S3 allows: every object under it is copied on the server
@@ -316,15 +321,18 @@ impl S3Fs {
         let (descendants, writing) = {
             let t = self.inodes();
             let descendants = t.descendants(src.ino);
-            let writing = descendants
+            let mut writing: Vec<u64> = descendants
                 .iter()
-                .any(|d| t.get(*d).is_some_and(|i| i.being_written()));
+                .copied()
+                .filter(|d| t.get(*d).is_some_and(|i| i.being_written()))
+                .collect();
+            writing.sort_unstable();
             (descendants, writing)
         };
-        if writing {
-            return Err(FsError::Busy(
-                "rename of a directory with files being written",
-            ));
+        // Files open for writing move with what was written so far (as for a file).
+        let mut held = Vec::with_capacity(writing.len());
+        for ino in writing {
+            held.push(self.hold_open_edit(ino).await?);
         }
         for ino in &descendants {
             self.await_pending(*ino).await?;
@@ -410,12 +418,19 @@ impl S3Fs {
             tracing::error!(key = %src_prefix, error = %e, "directory renamed, but not all old objects could be deleted");
             return Err(e.into());
         }
-        let mut t = self.inodes();
-        t.rebind(src.ino, new_parent, new_name);
-        if let Some(i) = t.get_mut(src.ino) {
-            i.validated = Some(Instant::now());
-            // The copy's Last-Modified is new (same ETag): the next listing supplies it.
-            i.meta_stamp = None;
+        {
+            let mut t = self.inodes();
+            t.rebind(src.ino, new_parent, new_name);
+            if let Some(i) = t.get_mut(src.ino) {
+                i.validated = Some(Instant::now());
+                // The copy's Last-Modified is new (same ETag): the next listing supplies it.
+                i.meta_stamp = None;
+            }
+        }
+        for h in held {
+            if let Ok(i) = self.inode(h.ino()) {
+                self.moved_edit(h, &i.key).await;
+            }
         }
         Ok(())
     }
@@ -521,5 +536,3 @@ struct ListedKey {
 /// Above this many objects a directory rename is refused with EXDEV (`mv` then copies
 /// file by file, showing progress, and can be interrupted).
 const MAX_DIR_RENAME_OBJECTS: usize = 10_000;
-/// How long a rename waits for the RELEASE of a file just closed (see `writing_settled`).
-const RELEASE_WAIT: Duration = Duration::from_secs(1);

@@ -132,6 +132,11 @@ pub struct Prefetcher {
 }
 
 impl Prefetcher {
+    /// The object it reads.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
     pub fn new(
         client: Arc<dyn ObjectClient>,
         key: String,

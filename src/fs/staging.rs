@@ -477,6 +477,19 @@ impl StagedFile {
         &self.key
     }
 
+    pub fn base_etag(&self) -> Option<&str> {
+        self.base_etag.as_deref()
+    }
+
+    /// The object was moved (renamed) to `key`, where S3 holds the version this copy
+    /// builds on as `etag`: reads and commits go there from now on.
+    pub fn rekey(&mut self, key: &str, etag: Option<String>) -> FsResult<()> {
+        self.key = key.to_string();
+        self.base_etag = etag;
+        let (clean, upload) = (self.sidecar_clean, self.sidecar_upload);
+        self.save_sidecar(clean, upload, false)
+    }
+
     pub fn is_dirty(&self) -> bool {
         !self.discarded && (self.resized || !self.dirty.is_empty())
     }

@@ -243,15 +243,18 @@ async fn directories_rename_with_everything_under_them(store: Store) {
         fs.rename(ROOT, "b", ROOT, "empty", true).await,
         Err(FsError::Exists)
     ));
-    // A file being written under it keeps the directory where it is.
+    // A file being written under it moves with it: what was written so far at once,
+    // what is written after the rename at its close, under the new name.
     let (_, fh) = fs.create(sub.ino, "w", W).await.unwrap();
     fs.write(fh, 0, b"w", Some(1)).await.unwrap();
-    assert!(matches!(
-        fs.rename(ROOT, "b", ROOT, "c", false).await,
-        Err(FsError::Busy(_))
-    ));
+    fs.rename(ROOT, "b", ROOT, "c", false).await.unwrap();
+    assert_eq!(store.get("c/sub/w").await.unwrap().as_ref(), b"w");
+    fs.write(fh, 1, b"+", Some(1)).await.unwrap();
     fs.flush(fh, 1).await.unwrap();
     fs.release(fh).await.unwrap();
+    assert_eq!(store.get("c/sub/w").await.unwrap().as_ref(), b"w+");
+    fs.rename(ROOT, "c", ROOT, "b", false).await.unwrap();
+    assert!(store.get("b/sub/w").await.is_some());
     // A destination holding only identical copies of the source's objects (what a rename
     // interrupted while copying leaves) is taken over by the retry; any other is not.
     store.put("p/one", "1").await;
@@ -595,9 +598,9 @@ async fn a_lookup_miss_lists_the_directory_for_its_siblings() {
 
 /// close(2) waits for FLUSH (the commit) but not for RELEASE: a rename onto (or of) a
 /// file whose last descriptor was just closed must not fail with EBUSY because its
-/// RELEASE is still on its way (fsx's full run found it).
+/// RELEASE is still on its way (fsx's full run found it), nor bring back the old bytes.
 #[tokio::test]
-async fn a_rename_right_after_the_last_close_waits_for_the_release() {
+async fn a_rename_onto_a_file_whose_release_is_on_its_way_replaces_it() {
     let mem = Arc::new(MemClient::new());
     mem.insert("t", "old");
     mem.insert("s", "src");
@@ -1091,4 +1094,62 @@ async fn rename_copies_only_the_version_this_mount_knows() {
     assert!(fs.rename(ROOT, "a", ROOT, "b", false).await.is_err());
     assert_eq!(mem.get("a").unwrap().as_ref(), b"v2 by another client");
     assert!(mem.get("b").is_none());
+}
+
+/// A file open for writing can be renamed (log rotation, a tool that renames its output
+/// while writing it): S3 holds what was written so far under the new name at once, and
+/// what is written next reaches the new name at close; readers follow it too.
+#[tokio::test]
+async fn a_file_open_for_writing_moves_with_what_was_written() {
+    let mem = Arc::new(MemClient::new());
+    mem.insert("log", "old ");
+    let fs = fs_with(mem.clone(), "");
+    // A stream (create + sequential writes) and an edit of an existing object.
+    let (_, stream) = fs.create(ROOT, "new", W).await.unwrap();
+    fs.write(stream, 0, b"streamed", Some(1)).await.unwrap();
+    let log = fs.lookup(ROOT, "log").await.unwrap();
+    let append = OpenMode {
+        write: true,
+        truncate: false,
+        append: true,
+        exclusive: false,
+    };
+    let edit = fs.open(log.ino, append).await.unwrap();
+    let reader = fs.open(log.ino, R).await.unwrap();
+    fs.write(edit, 4, b"line1 ", Some(1)).await.unwrap();
+    fs.rename(ROOT, "new", ROOT, "new.1", false).await.unwrap();
+    fs.rename(ROOT, "log", ROOT, "log.1", false).await.unwrap();
+    // (The old keys' DELETEs are sent in the background: see `deletes.rs`.)
+    for gone in ["new", "log"] {
+        assert!(matches!(
+            fs.lookup(ROOT, gone).await,
+            Err(FsError::NotFound)
+        ));
+    }
+    assert_eq!(mem.get("new.1").unwrap().as_ref(), b"streamed");
+    assert_eq!(mem.get("log.1").unwrap().as_ref(), b"old line1 ");
+    fs.write(stream, 8, b" on", Some(1)).await.unwrap();
+    fs.write(edit, 10, b"line2", Some(1)).await.unwrap();
+    assert_eq!(
+        fs.read(reader, 0, 64).await.unwrap().as_ref(),
+        b"old line1 line2"
+    );
+    for fh in [stream, edit] {
+        fs.flush(fh, 1).await.unwrap();
+        fs.release(fh).await.unwrap();
+    }
+    fs.release(reader).await.unwrap();
+    assert_eq!(fs.flush_all().await, 0);
+    assert_eq!(mem.get("new.1").unwrap().as_ref(), b"streamed on");
+    assert_eq!(mem.get("log.1").unwrap().as_ref(), b"old line1 line2");
+    assert!(mem.get("new").is_none() && mem.get("log").is_none());
+    // A reader opened before a rename of a file nobody writes reads on from the new name.
+    let fh = fs.open(log.ino, R).await.unwrap();
+    assert_eq!(fs.read(fh, 0, 3).await.unwrap().as_ref(), b"old");
+    fs.rename(ROOT, "log.1", ROOT, "log.2", false)
+        .await
+        .unwrap();
+    let rest = fs.read(fh, 3, 64).await.unwrap();
+    assert_eq!(rest.as_ref(), b" line1 line2");
+    fs.release(fh).await.unwrap();
 }

@@ -45,8 +45,25 @@ impl S3Fs {
         if key.len() > MAX_KEY_LEN {
             return Err(FsError::NameTooLong);
         }
-        let known = self.inodes().child(parent, name).map(|c| c.ino);
-        if let Some(ino) = known {
+        let known = self
+            .inodes()
+            .child(parent, name)
+            .map(|c| (c.ino, c.kind == Kind::File && c.being_written()));
+        if let Some((ino, writing)) = known {
+            if writing {
+                // `>` onto a file another descriptor writes: its descriptors share one
+                // staged copy, emptied here (as O_TRUNC on an open file does).
+                if mode.exclusive {
+                    return Err(FsError::Exists);
+                }
+                let truncate = OpenMode {
+                    write: true,
+                    truncate: true,
+                    ..mode
+                };
+                let fh = self.open(ino, truncate).await?;
+                return Ok((self.attr_of(&self.inode(ino)?), fh));
+            }
             // A new version must not be overtaken by the empty PUT of the previous one; if
             // that PUT failed, the name is gone and this creates it afresh.
             let _ = self.await_pending(ino).await;
@@ -138,7 +155,8 @@ impl S3Fs {
             FileState::Read(_) | FileState::Committed => {
                 let base = self.inode(ino)?;
                 self.start_writing(ino, fh, base.size)?;
-                let mut up = self.new_upload(f.key.clone());
+                // The inode's key, not the handle's: the file may have been renamed since.
+                let mut up = self.new_upload(base.key.clone());
                 up.set_meta(self.upload_headers(ino));
                 if let Err(e) = self.continue_upload(&mut up, &base).await {
                     self.stop_writing(ino, fh);
@@ -447,7 +465,7 @@ impl S3Fs {
                 let mut f = file.lock().await;
                 self.stage_handle(&mut f, *fh).await?
             }
-            None => self.stage_inode(ino, 0).await?,
+            None => self.stage_inode(ino, edit::NO_HANDLE).await?,
         };
         s.lock().await.truncate(size)?;
         {

@@ -429,6 +429,66 @@ fn an_exclusive_create_does_not_overwrite_another_clients_new_object() {
     );
 }
 
+/// Renames of files open for writing, as log rotation and tools that rename their output
+/// do: S3 holds what was written so far under the new name at once, and the rest at close.
+#[test]
+fn files_open_for_writing_can_be_renamed() {
+    let bucket = new_bucket("edit-rename-open");
+    let m = Mount::start(&bucket, &["--part-size", "5MiB"]);
+    // An app appending to its log while logrotate moves it away (an edit of an object).
+    put(&bucket, "app.log", b"line0\n".to_vec());
+    let mut log = fs::OpenOptions::new()
+        .append(true)
+        .open(m.path("app.log"))
+        .unwrap();
+    log.write_all(b"line1\n").unwrap();
+    fs::rename(m.path("app.log"), m.path("app.log.1")).expect("rename of an open log");
+    assert_eq!(s3_get(&bucket, "app.log.1").unwrap(), b"line0\nline1\n");
+    log.write_all(b"line2\n").unwrap();
+    close_checked(log).unwrap();
+    assert_eq!(
+        s3_get(&bucket, "app.log.1").unwrap(),
+        b"line0\nline1\nline2\n"
+    );
+    assert!(s3_get(&bucket, "app.log").is_none());
+
+    // A new file being streamed, small (nothing sent yet) and past its first part, moved
+    // into another directory that is itself renamed before the writer closes.
+    fs::create_dir(m.path("out")).unwrap();
+    for (name, first) in [("small", 3000usize), ("large", 12 * MIB as usize)] {
+        let mut rng = Rng::from_env("edit-rename-open", first as u64);
+        let (a, b) = (rng.bytes(first), rng.bytes(7 * MIB as usize));
+        let mut w = fs::File::create(m.path(name)).unwrap();
+        w.write_all(&a).unwrap();
+        fs::rename(m.path(name), m.path(&format!("out/{name}"))).unwrap();
+        fs::rename(m.path("out"), m.path("done")).expect("rename of a directory with an open file");
+        fs::rename(m.path("done"), m.path("out")).unwrap();
+        w.write_all(&b).unwrap();
+        close_checked(w).unwrap();
+        let want: Vec<u8> = a.iter().chain(&b).copied().collect();
+        assert!(
+            s3_get(&bucket, &format!("out/{name}")).unwrap() == want,
+            "{name}: S3 holds all of it under the new name"
+        );
+        assert_eq!(
+            fs::read(m.path(&format!("out/{name}"))).unwrap().len(),
+            want.len()
+        );
+    }
+    // The old names' DELETEs go in the background (deferred deletes).
+    let want = ["app.log.1", "out/", "out/large", "out/small"];
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let mut keys = s3_keys(&bucket, "");
+        keys.sort();
+        if keys == want || Instant::now() > deadline {
+            assert_eq!(keys, want);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// A new file open for reading and writing.
 fn read_write_new(path: &std::path::Path) -> fs::File {
     fs::OpenOptions::new()
