@@ -250,6 +250,9 @@ pub fn run_mount_command(args: MountArgs) -> i32 {
                 .clone()
                 .unwrap_or_else(|| default_cache_dir(&mountpoint)),
         ),
+        // A cache directory given by hand is one meant for the data, as in s3fs's
+        // `use_cache=DIR` and Mountpoint's `--cache DIR`.
+        data_cache: cfg.data_cache || args.cache_dir.is_some(),
         ..FsConfig::from(&cfg)
     };
     let fs = Arc::new(S3Fs::new(Arc::new(client), fs_cfg));
@@ -512,6 +515,9 @@ fn run_handoff(args: &MountArgs, cfg: &MountConfig, dir: &Path) -> i32 {
 fn mounter_metrics(s3: &S3Metrics, fs: &Arc<S3Fs>) -> Registry {
     let mut registry = Registry::default();
     s3.register(&mut registry);
+    if let Some(cache) = fs.data_cache() {
+        register_cache_metrics(&mut registry, cache);
+    }
     // Weak: the control thread must not keep the file system alive past the mount.
     let fs = Arc::downgrade(fs);
     registry.register_collector(Box::new(Sampled::gauge(
@@ -520,6 +526,57 @@ fn mounter_metrics(s3: &S3Metrics, fs: &Arc<S3Fs>) -> Registry {
         move || fs.upgrade().map_or(0, |fs| fs.open_file_handles() as u64),
     )));
     registry
+}
+
+/// The data cache's counters (`--data-cache`), read at every scrape.
+fn register_cache_metrics(registry: &mut Registry, cache: &Arc<crate::fs::cache::DataCache>) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    type Stat = fn(&crate::fs::cache::CacheStats) -> &AtomicU64;
+    let counters: [(&'static str, &'static str, Stat); 6] = [
+        (
+            "s3csi_cache_hits",
+            "Reads served from the data cache",
+            |s| &s.hits,
+        ),
+        (
+            "s3csi_cache_hit_bytes",
+            "Bytes served from the data cache",
+            |s| &s.hit_bytes,
+        ),
+        (
+            "s3csi_cache_misses",
+            "Reads of a cacheable version that needed S3",
+            |s| &s.misses,
+        ),
+        (
+            "s3csi_cache_written_bytes",
+            "Bytes written to the data cache",
+            |s| &s.written_bytes,
+        ),
+        (
+            "s3csi_cache_evictions",
+            "Objects the data cache gave up to make room",
+            |s| &s.evictions,
+        ),
+        (
+            "s3csi_cache_dropped_blocks",
+            "Fetched blocks not kept (writer behind, no room, disk error)",
+            |s| &s.dropped,
+        ),
+    ];
+    for (name, help, stat) in counters {
+        let c = Arc::downgrade(cache);
+        registry.register_collector(Box::new(Sampled::counter(name, help, move || {
+            c.upgrade()
+                .map_or(0, |c| stat(&c.stats).load(Ordering::Relaxed))
+        })));
+    }
+    let c = Arc::downgrade(cache);
+    registry.register_collector(Box::new(Sampled::gauge(
+        "s3csi_cache_bytes",
+        "Bytes of object data in the data cache",
+        move || c.upgrade().map_or(0, |c| c.used()),
+    )));
 }
 
 /// Answers the node service on the control socket once serving: `FD` gets our descriptor,

@@ -138,8 +138,12 @@ pub struct MountConfig {
     pub sync_delete: bool,
     /// File data goes through the kernel's page cache (default: direct I/O).
     pub page_cache: bool,
-    /// Local space staged files (edits in place) may take together.
+    /// Local space staged files (edits in place) and the data cache may take together.
     pub cache_size: u64,
+    /// Object data read is kept on local disk for later reads.
+    pub data_cache: bool,
+    /// The data cache keeps this share (percent) of its disk free.
+    pub cache_free_percent: u8,
     /// Edits in place are uploaded this long after their last close/fsync, which return
     /// once the edit is on local disk (default: close and fsync upload).
     pub write_back: Option<Duration>,
@@ -165,6 +169,7 @@ impl MountConfig {
             sync_create: false,
             sync_delete: false,
             page_cache: false,
+            data_cache: false,
             ignore_metadata: false,
             write_back: None,
             debug: false,
@@ -177,6 +182,7 @@ impl MountConfig {
             max_prefetch_memory: 0,
             max_upload_memory: 0,
             cache_size: 0,
+            cache_free_percent: 0,
         };
         for spec in MOUNT_OPTIONS {
             if let OptionValue::Text {
@@ -334,6 +340,18 @@ impl MountConfig {
             SyncCreate => self.sync_create = switch()?,
             PageCache => self.page_cache = switch()?,
             CacheSize => self.cache_size = parse_size(text()?).map_err(|e| invalid(key, e))?,
+            DataCache => self.data_cache = switch()?,
+            CacheFree => {
+                let v = text()?;
+                self.cache_free_percent = v
+                    .trim_end_matches('%')
+                    .parse::<u8>()
+                    .ok()
+                    .filter(|p| *p <= 90)
+                    .ok_or_else(|| {
+                        invalid(key, format!("expected a percentage up to 90%, got {v:?}"))
+                    })?
+            }
             WriteBack => {
                 self.write_back = Some(parse_duration(text()?).map_err(|e| invalid(key, e))?)
             }
@@ -376,6 +394,8 @@ impl MountConfig {
             SyncCreate => on(self.sync_create),
             PageCache => on(self.page_cache),
             CacheSize => Some(format_size(self.cache_size)),
+            DataCache => on(self.data_cache),
+            CacheFree => Some(format!("{}%", self.cache_free_percent)),
             WriteBack => self.write_back.map(format_duration),
             IgnoreMetadata => on(self.ignore_metadata),
             Debug => on(self.debug),

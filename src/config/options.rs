@@ -29,6 +29,8 @@ pub enum OptionId {
     PageCache,
     CacheDir,
     CacheSize,
+    DataCache,
+    CacheFree,
     WriteBack,
     IgnoreMetadata,
     Foreground,
@@ -392,7 +394,21 @@ pub static MOUNT_OPTIONS: &[OptionSpec] = &[
         "cache-size",
         "SIZE",
         Value("10GiB"),
-        "Local disk space files edited in place may take together; past it, writes get ENOSPC",
+        "Local disk space files edited in place (and the data cache) may take together; past it, \
+         edits get ENOSPC and the data cache gives up its least recently used objects",
+    ),
+    OptionSpec::switch(
+        Id::DataCache,
+        "data-cache",
+        "Keep the object data read in the cache directory, so that reading it again needs no \
+         S3 request (on by default when --cache-dir is given; see README \"Data cache\")",
+    ),
+    OptionSpec::text(
+        Id::CacheFree,
+        "cache-free",
+        "PERCENT",
+        Value("5%"),
+        "The data cache gives up objects while its disk has less than this share free",
     ),
     OptionSpec::text(
         Id::WriteBack,

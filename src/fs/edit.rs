@@ -8,6 +8,7 @@
 //! when nothing was sent yet, else by completing its upload first. A flush by a writer and
 //! fsync commit the copy; it is dropped when the inode's last handle is released.
 
+use super::cache::DataCache;
 use super::staging::{CommitConfig, StagedFile, StagingArea};
 use super::*;
 use futures::StreamExt;
@@ -66,7 +67,35 @@ impl S3Fs {
     /// Opens the staging area now, so that edits a dead predecessor left are recovered
     /// (see `StagingArea::open`) when the mount starts, not at the first edit.
     pub fn open_staging(&self) -> FsResult<PathBuf> {
-        self.staging().map(|a| a.dir().to_path_buf())
+        let area = self.staging()?.clone();
+        if let (true, Some(dir)) = (self.cfg.data_cache, &self.cfg.cache_dir) {
+            let staged = area.clone();
+            let opened = DataCache::open(
+                &dir.join("data"),
+                self.cfg.cache_size,
+                self.cfg.cache_free_percent,
+                Box::new(move || staged.used()),
+            );
+            match opened {
+                Ok(cache) => {
+                    let weak = Arc::downgrade(&cache);
+                    area.on_growth(Box::new(move || {
+                        if let Some(c) = weak.upgrade() {
+                            c.yield_to_edits();
+                        }
+                    }));
+                    let _ = self.data_cache.set(cache);
+                }
+                // The mount still works, from S3 only.
+                Err(e) => tracing::warn!(error = %e, "running without the data cache"),
+            }
+        }
+        Ok(area.dir().to_path_buf())
+    }
+
+    /// The data cache, when `--data-cache` is on and its directory could be used.
+    pub fn data_cache(&self) -> Option<&Arc<DataCache>> {
+        self.data_cache.get()
     }
 
     fn commit_config(&self) -> CommitConfig {

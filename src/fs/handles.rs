@@ -160,14 +160,18 @@ impl S3Fs {
 
     /// A reader of the version of `i` this mount knows (key + ETag), `size` bytes long.
     pub(super) fn prefetcher(&self, i: &Inode, size: u64) -> Prefetcher {
-        Prefetcher::new(
+        let p = Prefetcher::new(
             self.client.clone(),
             i.key.clone(),
             i.etag.clone(),
             size,
             self.cfg.prefetch,
             self.prefetch_budget.clone(),
-        )
+        );
+        match self.data_cache.get() {
+            Some(c) => p.with_cache(c),
+            None => p,
+        }
     }
 
     /// A read through handle `fh`. A file staged by any handle is read from its staged

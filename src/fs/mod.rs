@@ -24,6 +24,7 @@
 //! and `prefetch.rs`; `deletes.rs` orders DELETEs at the client seam. This file holds the
 //! shared state ([`S3Fs`]) and the small helpers every part uses.
 
+pub mod cache;
 pub mod deletes;
 mod edit;
 pub mod error;
@@ -112,8 +113,12 @@ pub struct FsConfig {
     pub page_cache: bool,
     /// Where staged files (edits in place) live; `None`: a private temporary directory.
     pub cache_dir: Option<std::path::PathBuf>,
-    /// Space staged files may take together.
+    /// Space staged files and the data cache may take together.
     pub cache_size: u64,
+    /// Object data read is kept in `cache_dir/data` for later reads (see `cache.rs`).
+    pub data_cache: bool,
+    /// The data cache keeps this share (percent) of its disk free.
+    pub cache_free_percent: u8,
     /// Edits in place are uploaded this long after their last close/fsync, which return
     /// once the edit is on local disk (see `edit.rs`); `None`: close and fsync upload.
     pub write_back: Option<Duration>,
@@ -142,6 +147,8 @@ impl From<&MountConfig> for FsConfig {
             page_cache: cfg.page_cache,
             cache_dir: None,
             cache_size: cfg.cache_size,
+            data_cache: cfg.data_cache,
+            cache_free_percent: cfg.cache_free_percent,
             write_back: cfg.write_back,
             posix_metadata: !cfg.ignore_metadata,
         }
@@ -216,6 +223,8 @@ pub struct S3Fs {
     /// Set by `flush_all`: from then on every close waits for its upload.
     stopping: AtomicBool,
     staging: std::sync::OnceLock<Arc<staging::StagingArea>>,
+    /// `--data-cache` (see `open_staging`).
+    data_cache: std::sync::OnceLock<Arc<cache::DataCache>>,
     /// The staged copy of each file being edited in place, by inode (see `edit.rs`).
     staged: Mutex<HashMap<u64, edit::Staged>>,
     /// Directory listings fetched ahead of a tree walk (see `walk_ahead.rs`).
@@ -294,6 +303,7 @@ impl S3Fs {
             create_slots: Arc::new(Semaphore::new(CREATE_PUTS_IN_FLIGHT)),
             stopping: AtomicBool::new(false),
             staging: std::sync::OnceLock::new(),
+            data_cache: std::sync::OnceLock::new(),
             staged: Mutex::new(HashMap::new()),
             walk: Mutex::new(Default::default()),
             write_back: Mutex::new(HashMap::new()),

@@ -240,6 +240,25 @@ impl S3Fs {
             Some(h) => (h.size(), h.etag()),
             None => (src.size, src.etag.clone()),
         };
+        if let Some(a) = &replaced {
+            // An edit of the target kept for write-back is acknowledged data: uploaded
+            // first, since the rename may still fail.
+            if !self.write_back_idle(a.ino).await {
+                return Err(FsError::Busy(
+                    "rename onto a file whose kept edit cannot be uploaded",
+                ));
+            }
+            let writing = self
+                .inodes()
+                .get(a.ino)
+                .filter(|a| a.being_written())
+                .cloned();
+            if let Some(a) = writing {
+                // Its descriptors now write to a file no name leads to, as after an
+                // unlink: before the copy, so that none of their commits lands after it.
+                self.abandon_writes(&a).await;
+            }
+        }
         // The copy takes the object's metadata along: a pending change goes first.
         if let Err(e) = self.save_meta(src.ino).await {
             tracing::debug!(key = %src_key, error = %e, "metadata not saved before rename");
@@ -248,10 +267,6 @@ impl S3Fs {
             .copy_object_if(&src_key, &dst_key, size, etag.as_deref())
             .await?;
         self.client.delete_object(&src_key).await?;
-        if let Some(a) = replaced.filter(|a| a.being_written()) {
-            // Its descriptors now write to a file no name leads to, as after an unlink.
-            self.abandon_writes(&a).await;
-        }
         {
             let mut t = self.inodes();
             t.rebind(src.ino, new_parent, new_name);

@@ -10,10 +10,12 @@
 //! shared by all open files; a chunk the current read needs is fetched even when the
 //! budget is exhausted, so progress never waits on other files.
 
+use super::cache::{DataCache, Entry, BLOCK};
 use super::error::{FsError, FsResult};
 use crate::s3::{ObjectClient, S3Error};
 use bytes::{Bytes, BytesMut};
 use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
@@ -54,6 +56,8 @@ struct Chunk {
     end: u64,
     data: ChunkData,
     _permit: Option<OwnedSemaphorePermit>,
+    /// Given to the data cache already.
+    cached: bool,
 }
 
 impl Drop for Chunk {
@@ -129,6 +133,20 @@ pub struct Prefetcher {
     random_block: Option<(u64, Bytes)>,
     /// GET requests issued, for tests and stats.
     pub requests: u64,
+    /// This version's entry in the data cache: reads it holds need no GET, and what
+    /// GETs bring back is offered to it.
+    cache: Option<CachedVersion>,
+}
+
+struct CachedVersion {
+    cache: Arc<DataCache>,
+    entry: Arc<Entry>,
+}
+
+impl Drop for CachedVersion {
+    fn drop(&mut self) {
+        self.cache.release(&self.entry);
+    }
 }
 
 impl Prefetcher {
@@ -158,7 +176,22 @@ impl Prefetcher {
             last_end: None,
             random_block: None,
             requests: 0,
+            cache: None,
         }
+    }
+
+    /// Reads go to the data cache first, and what is fetched goes into it (only for a
+    /// version with an ETag: the cache names versions by it).
+    pub fn with_cache(mut self, cache: &Arc<DataCache>) -> Self {
+        if let Some(etag) = &self.etag {
+            self.cache = cache
+                .entry(&self.key, etag, self.size)
+                .map(|entry| CachedVersion {
+                    cache: cache.clone(),
+                    entry,
+                });
+        }
+        self
     }
 
     fn reset(&mut self, at: u64) {
@@ -172,6 +205,13 @@ impl Prefetcher {
             return Ok(Bytes::new());
         }
         let end = (offset + len as u64).min(self.size);
+        if let Some(c) = &self.cache {
+            if let Some(hit) = c.entry.read(&c.cache, offset, end) {
+                self.last_end = Some(end);
+                return Ok(hit);
+            }
+            c.cache.stats.misses.fetch_add(1, Ordering::Relaxed);
+        }
         if let Some((start, block)) = &self.random_block {
             if *start <= offset && end <= start + block.len() as u64 {
                 let from = (offset - start) as usize;
@@ -198,18 +238,32 @@ impl Prefetcher {
                 self.last_end = Some(end);
             }
             self.requests += 1;
-            let fetch_end = end.max(offset + MIN_RANDOM_GET).min(self.size);
+            // With a data cache, whole blocks: what it can keep.
+            let fetch_start = match &self.cache {
+                Some(_) => offset / BLOCK * BLOCK,
+                None => offset,
+            };
+            let mut fetch_end = end.max(offset + MIN_RANDOM_GET);
+            if self.cache.is_some() {
+                fetch_end = fetch_end.div_ceil(BLOCK) * BLOCK;
+            }
+            let fetch_end = fetch_end.min(self.size);
             let block = get_exact(
                 &self.client,
                 &self.key,
                 self.etag.as_deref(),
-                offset,
+                fetch_start,
                 fetch_end,
             )
             .await
             .map_err(read_error)?;
-            let out = block.slice(0..((end - offset) as usize).min(block.len()));
-            self.random_block = Some((offset, block));
+            if let Some(c) = &self.cache {
+                c.cache.offer(&c.entry, fetch_start, block.clone());
+            }
+            let from = ((offset - fetch_start) as usize).min(block.len());
+            let to = (from + (end - offset) as usize).min(block.len());
+            let out = block.slice(from..to);
+            self.random_block = Some((fetch_start, block));
             return Ok(out);
         }
         if !in_window {
@@ -267,6 +321,7 @@ impl Prefetcher {
                 end,
                 data: ChunkData::Pending(task),
                 _permit: permit,
+                cached: false,
             });
             self.next_fetch = end;
         }
@@ -282,6 +337,10 @@ impl Prefetcher {
                 break;
             }
             let bytes = chunk.bytes().await.map_err(read_error)?;
+            if let (Some(c), false) = (&self.cache, chunk.cached) {
+                chunk.cached = true;
+                c.cache.offer(&c.entry, chunk.start, bytes.clone());
+            }
             let from = (offset.max(chunk.start) - chunk.start) as usize;
             let to = ((end.min(chunk.end) - chunk.start) as usize).min(bytes.len());
             parts.push(bytes.slice(from.min(to)..to));

@@ -58,6 +58,8 @@ pub struct StagingArea {
     conditional_writes: AtomicBool,
     /// Edits a dead predecessor kept for upload (`--write-back`), for the mount to commit.
     recovered: std::sync::Mutex<Vec<StagedFile>>,
+    /// Told when staged files took more space (the data cache then makes room).
+    on_growth: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
 }
 
 /// What a staged file's sidecar records, so that a replacement mounter knows what it finds.
@@ -108,6 +110,7 @@ impl StagingArea {
             temporary,
             conditional_writes: AtomicBool::new(true),
             recovered: Default::default(),
+            on_growth: Default::default(),
         };
         let area = Arc::new(area);
         area.recover();
@@ -137,6 +140,11 @@ impl StagingArea {
         self.used.load(Ordering::Relaxed)
     }
 
+    /// `f` is called whenever staged files take more space.
+    pub fn on_growth(&self, f: Box<dyn Fn() + Send + Sync>) {
+        let _ = self.on_growth.set(f);
+    }
+
     fn reserve(&self, bytes: u64) -> bool {
         let mut used = self.used.load(Ordering::Relaxed);
         loop {
@@ -149,10 +157,14 @@ impl StagingArea {
                 Ordering::Relaxed,
                 Ordering::Relaxed,
             ) {
-                Ok(_) => return true,
+                Ok(_) => break,
                 Err(now) => used = now,
             }
         }
+        if let Some(f) = self.on_growth.get() {
+            f();
+        }
+        true
     }
 
     fn release(&self, bytes: u64) {

@@ -641,7 +641,7 @@ fn run_fsx(hint: &str, args: &[&str], quick_steps: usize, full_ops: u64) {
             let h = &fsx.history;
             eprintln!(
                 "fsx failed at step {i}; last operations:\n  {}",
-                h[h.len().saturating_sub(12)..].join("\n  ")
+                h[h.len().saturating_sub(400)..].join("\n  ")
             );
             std::panic::resume_unwind(p);
         }

@@ -9,6 +9,7 @@ mod common;
 
 mod bad_input;
 mod bounded;
+mod cache;
 mod credentials;
 mod csi;
 mod deferred_delete;
