@@ -225,12 +225,12 @@ impl S3Fs {
             Ok(None) => Ok(file),
             Ok(Some(meta)) => {
                 let mut t = self.inodes();
+                t.now_in_s3(ino);
                 if let Some(i) = t.get_mut(ino) {
                     i.size = meta.size;
                     i.etag = meta.etag;
                     i.mtime = SystemTime::now();
                     i.validated = Some(Instant::now());
-                    i.local_only = false;
                     i.meta_stamp = None;
                     i.mtime_from_writes = false;
                     if headers.is_some() {

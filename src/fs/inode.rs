@@ -447,6 +447,16 @@ impl InodeTable {
         self.log_known(ino);
     }
 
+    /// A file created here is in S3 now. A listing fetched ahead while it was not (see
+    /// `walk_ahead.rs`) does not show it, and the table stops adding it as a local
+    /// file: such a listing counts as stale, as after a rename.
+    pub fn now_in_s3(&mut self, ino: u64) {
+        if let Some(i) = self.by_ino.get_mut(&ino).filter(|i| i.local_only) {
+            i.local_only = false;
+            self.namespace_changes += 1;
+        }
+    }
+
     pub fn forget(&mut self, ino: u64, n: u64) {
         let restored = n > 0 && self.recovered.remove(&ino);
         if let Some(i) = self.by_ino.get_mut(&ino) {

@@ -119,6 +119,8 @@ impl S3Fs {
                     }
                 }
             }
+            // Listings fetched ahead while it was local only do not show it (see `now_in_s3`).
+            t.namespace_changes += 1;
             t.forget(ino, 0);
             drop(t);
             log.iter().for_each(inode_log::InodeLog::flush);
