@@ -11,7 +11,8 @@
 #   bytes from a local file (page cache warm, as the cache file is after the first read);
 #   an epoch loop over FILES files of 1 MiB read in order: first pass, second pass;
 #   the mounter's peak RSS and the cache's disk use after both rows.
-# Clients: s3csi (--cache-dir), s3fs (use_cache=DIR) and rclone (--vfs-cache-mode full) if
+# Clients: s3csi-nocache (no cache: what the first read costs without one), s3csi
+# (--cache-dir), s3fs (use_cache=DIR) and rclone (--vfs-cache-mode full) if
 # installed. Prints a Markdown table and writes it to bench/results/cache-fast-latest.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,6 +45,8 @@ mount_one() { # NAME: starts that client's mount on $MNT with an empty cache in 
   case $1 in
     s3csi) "${CLIENT[@]}" "$WORK/s3csi" mount --foreground --endpoint-url "$ep" --force-path-style \
       --cache-dir "$CACHE" --cache-size 20GiB bench "$MNT" ;;
+    s3csi-nocache) "${CLIENT[@]}" "$WORK/s3csi" mount --foreground --endpoint-url "$ep" --force-path-style \
+      bench "$MNT" ;;
     rclone) : >"$WORK/rclone.conf"
       RCLONE_CONFIG_B_TYPE=s3 RCLONE_CONFIG_B_PROVIDER=Other RCLONE_CONFIG_B_ACCESS_KEY_ID="$AWS_ACCESS_KEY_ID" \
       RCLONE_CONFIG_B_SECRET_ACCESS_KEY="$AWS_SECRET_ACCESS_KEY" RCLONE_CONFIG_B_ENDPOINT="$ep" \
@@ -60,7 +63,8 @@ timed() { # CMD...: prints the seconds it took
   awk -v a="$t0" -v b="$(now)" 'BEGIN { printf "%.3f", b - a }'
 }
 rate() { awk -v s="$1" -v b="$2" 'BEGIN { if (s > 0) printf "%.0f", b / 1048576 / s; else print "nan" }'; }
-peak_rss_mib() { awk '/VmHWM/ { printf "%.0f", $2 / 1024 }' "/proc/$1/status" 2>/dev/null; }
+# The mount process: the newest one whose command line names the mountpoint.
+peak_rss_mib() { awk '/VmHWM/ { printf "%.0f", $2 / 1024 }' "/proc/$(pgrep -n -f -- "$MNT")/status" 2>/dev/null; }
 BYTES=$(python3 -c "
 import re,sys; m=re.fullmatch(r'(\d+)(KiB|MiB|GiB)?','$SIZE'); n=int(m[1]); print(n*{None:1,'KiB':1<<10,'MiB':1<<20,'GiB':1<<30}[m[2]])")
 
@@ -78,7 +82,7 @@ head -c "$BYTES" /dev/urandom >"$LOCAL"
 cat "$LOCAL" >/dev/null
 epoch() { find "$MNT/epoch" -type f | sort | xargs cat >/dev/null; }
 
-CLIENTS="s3csi"
+CLIENTS="s3csi-nocache s3csi"
 command -v s3fs >/dev/null && CLIENTS="$CLIENTS s3fs"
 command -v rclone >/dev/null && CLIENTS="$CLIENTS rclone"
 [ -n "$ONLY" ] && CLIENTS=$ONLY
@@ -94,7 +98,7 @@ for run in $(seq "$RUNS"); do
     add "$c" epoch1 "$(timed epoch)"
     sleep 2
     add "$c" epoch2 "$(timed epoch)"
-    add "$c" rss "$(peak_rss_mib "$FSPID")"
+    add "$c" rss "$(peak_rss_mib)"
     add "$c" disk "$(du -sm "$CACHE" | cut -f1)"
     umount_one
   done

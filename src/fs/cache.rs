@@ -29,8 +29,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Cache granularity: what a miss fetches at least, and what an index record names.
 pub const BLOCK: u64 = 1024 * 1024;
-/// Fetched ranges waiting for the writer thread; past this, new ones are dropped.
-const WRITE_QUEUE: usize = 64;
+/// Fetched bytes waiting for the writer thread (their memory is held meanwhile); past
+/// this, new ones are dropped.
+const WRITE_QUEUE_BYTES: u64 = 64 * 1024 * 1024;
+/// The writer thread's nice value where SCHED_IDLE is refused (see `write_blocks`).
+const WRITER_NICE: i32 = 19;
 /// An index record: block number, length, CRC-32 of the bytes, CRC-32 of those 12 bytes.
 const RECORD: usize = 16;
 
@@ -101,6 +104,8 @@ pub struct DataCache {
     others: Box<dyn Fn() -> u64 + Send + Sync>,
     state: Mutex<State>,
     queue: SyncSender<Job>,
+    /// Bytes in `queue`.
+    queued: AtomicU64,
     pub stats: CacheStats,
     /// Held while this process uses the directory.
     _lock: File,
@@ -234,7 +239,7 @@ impl DataCache {
         {
             return Err(CacheError::InUse(dir.to_path_buf()));
         }
-        let (queue, jobs) = sync_channel(WRITE_QUEUE);
+        let (queue, jobs) = sync_channel(1024);
         let cache = Arc::new(Self {
             dir: dir.to_path_buf(),
             limit,
@@ -248,6 +253,7 @@ impl DataCache {
                 used: 0,
             }),
             queue,
+            queued: AtomicU64::new(0),
             stats: CacheStats::default(),
             _lock: lock_file,
         });
@@ -344,14 +350,22 @@ impl DataCache {
                 return;
             }
         }
+        let len = last - first;
+        let blocks = len.div_ceil(BLOCK);
+        if self.queued.fetch_add(len, Ordering::Relaxed) + len > WRITE_QUEUE_BYTES {
+            self.queued.fetch_sub(len, Ordering::Relaxed);
+            self.stats.dropped.fetch_add(blocks, Ordering::Relaxed);
+            return;
+        }
         let job = Job {
             entry: e.clone(),
             start: first,
             data: data.slice((first - start) as usize..(last - start) as usize),
         };
-        if let Err(TrySendError::Full(j)) = self.queue.try_send(job) {
-            let n = j.data.len().div_ceil(BLOCK as usize) as u64;
-            self.stats.dropped.fetch_add(n, Ordering::Relaxed);
+        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = self.queue.try_send(job)
+        {
+            self.queued.fetch_sub(len, Ordering::Relaxed);
+            self.stats.dropped.fetch_add(blocks, Ordering::Relaxed);
         }
     }
 
@@ -677,13 +691,30 @@ fn version_name(key: &str, etag: &str) -> String {
 
 /// The writer thread: ends when the cache is dropped (its sender goes with it).
 fn write_blocks(cache: std::sync::Weak<DataCache>, jobs: Receiver<Job>) {
+    // SCHED_IDLE: it runs only on a CPU nothing else wants, so it never delays a read
+    // (a woken reader preempts it at once; at nice 19 the first read of 1 GiB was 12 %
+    // slower on 2 cores, at SCHED_IDLE not measurably). Fallback: the lowest nice value.
+    // SAFETY: scheduling calls on this thread only (pid 0 / its tid).
+    unsafe {
+        let param = libc::sched_param { sched_priority: 0 };
+        if libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) != 0 {
+            libc::setpriority(
+                libc::PRIO_PROCESS,
+                libc::gettid() as libc::id_t,
+                WRITER_NICE,
+            );
+        }
+    }
     let mut failing = false;
     while let Ok(job) = jobs.recv() {
         let Some(cache) = cache.upgrade() else {
             return;
         };
         let key = job.entry.key.clone();
-        match cache.write(job) {
+        let len = job.data.len() as u64;
+        let written = cache.write(job);
+        cache.queued.fetch_sub(len, Ordering::Relaxed);
+        match written {
             Ok(()) => failing = false,
             Err(e) => {
                 cache.stats.dropped.fetch_add(1, Ordering::Relaxed);
