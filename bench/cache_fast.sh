@@ -47,12 +47,7 @@ mount_one() { # NAME: starts that client's mount on $MNT with an empty cache in 
       --cache-dir "$CACHE" --cache-size 20GiB bench "$MNT" ;;
     s3csi-nocache) "${CLIENT[@]}" "$WORK/s3csi" mount --foreground --endpoint-url "$ep" --force-path-style \
       bench "$MNT" ;;
-    rclone) : >"$WORK/rclone.conf"
-      RCLONE_CONFIG_B_TYPE=s3 RCLONE_CONFIG_B_PROVIDER=Other RCLONE_CONFIG_B_ACCESS_KEY_ID="$AWS_ACCESS_KEY_ID" \
-      RCLONE_CONFIG_B_SECRET_ACCESS_KEY="$AWS_SECRET_ACCESS_KEY" RCLONE_CONFIG_B_ENDPOINT="$ep" \
-      RCLONE_CONFIG_B_REGION=us-east-1 RCLONE_CONFIG_B_FORCE_PATH_STYLE=true \
-      "${CLIENT[@]}" env -u AWS_CA_BUNDLE rclone mount b:bench "$MNT" --config "$WORK/rclone.conf" \
-        --vfs-cache-mode full --vfs-cache-max-size 20G --cache-dir "$CACHE" ;;
+    rclone) rclone_mount --vfs-cache-mode full --vfs-cache-max-size 20G --cache-dir "$CACHE" ;;
     s3fs) "${CLIENT[@]}" s3fs bench "$MNT" -f -o "url=$ep,use_path_request_style,passwd_file=$WORK/passwd-s3fs,use_cache=$CACHE" ;;
   esac >>"$WORK/$1.log" 2>&1 &
   wait_mounted "$1"

@@ -47,12 +47,8 @@ mount_one() { # NAME: starts that client's mount on $MNT
     s3csi) "${CLIENT[@]}" "$WORK/s3csi" mount --foreground --endpoint-url "$ep" --force-path-style bench "$MNT" ;;
     s3csi-wb) "${CLIENT[@]}" "$WORK/s3csi" mount --foreground --endpoint-url "$ep" --force-path-style \
       --write-back 50ms --cache-dir "$WORK/cache-wb" bench "$MNT" ;;
-    rclone-w) : >"$WORK/rclone.conf"
-      RCLONE_CONFIG_B_TYPE=s3 RCLONE_CONFIG_B_PROVIDER=Other RCLONE_CONFIG_B_ACCESS_KEY_ID="$AWS_ACCESS_KEY_ID" \
-      RCLONE_CONFIG_B_SECRET_ACCESS_KEY="$AWS_SECRET_ACCESS_KEY" RCLONE_CONFIG_B_ENDPOINT="$ep" \
-      RCLONE_CONFIG_B_REGION=us-east-1 RCLONE_CONFIG_B_FORCE_PATH_STYLE=true \
-      "${CLIENT[@]}" env -u AWS_CA_BUNDLE rclone mount b:bench "$MNT" --config "$WORK/rclone.conf" --vfs-cache-mode writes \
-        --vfs-write-back 0s --cache-dir "$WORK/rclone-cache" --rc --rc-addr "127.0.0.1:$RC_PORT" --rc-no-auth ;;
+    rclone-w) rclone_mount --vfs-cache-mode writes --vfs-write-back 0s --cache-dir "$WORK/rclone-cache" \
+        --rc --rc-addr "127.0.0.1:$RC_PORT" --rc-no-auth ;;
     s3fs) "${CLIENT[@]}" s3fs bench "$MNT" -f -o "url=$ep,use_path_request_style,passwd_file=$WORK/passwd-s3fs" ;;
   esac >>"$WORK/$1.log" 2>&1 &
   wait_mounted "$1"

@@ -1,4 +1,4 @@
-# Shared by bench/ls_fast.sh and bench/edit_fast.sh (sourced, not run): the embedded
+# Shared by bench/ls_fast.sh, bench/edit_fast.sh and bench/cache_fast.sh (sourced, not run): the embedded
 # `s3csi s3-server` on a free loopback port behind one latency proxy, pinned to the last
 # CPU like run.sh's server side (clients on the others), and the helpers both use.
 # Needs WORK (holding copies of s3csi and s3bench) and RTT; sets DIRECT (the server),
@@ -36,6 +36,16 @@ sleep 0.3
 printf '%s:%s\n' "$AWS_ACCESS_KEY_ID" "$AWS_SECRET_ACCESS_KEY" >"$WORK/passwd-s3fs"
 chmod 600 "$WORK/passwd-s3fs"
 mkdir -p "$MNT"
+
+# `rclone mount` of the bench bucket through the proxy on $MNT, in the foreground, with
+# rclone's own options after it (the remote `b:` is configured by environment).
+rclone_mount() { # OPTIONS...
+  : >"$WORK/rclone.conf"
+  RCLONE_CONFIG_B_TYPE=s3 RCLONE_CONFIG_B_PROVIDER=Other RCLONE_CONFIG_B_ACCESS_KEY_ID="$AWS_ACCESS_KEY_ID" \
+  RCLONE_CONFIG_B_SECRET_ACCESS_KEY="$AWS_SECRET_ACCESS_KEY" RCLONE_CONFIG_B_ENDPOINT="http://127.0.0.1:$PPORT" \
+  RCLONE_CONFIG_B_REGION=us-east-1 RCLONE_CONFIG_B_FORCE_PATH_STYLE=true \
+    "${CLIENT[@]}" env -u AWS_CA_BUNDLE rclone mount b:bench "$MNT" --config "$WORK/rclone.conf" "$@"
+}
 
 # After a mount command was started in the background: waits until $MNT is mounted.
 wait_mounted() { # NAME
