@@ -97,10 +97,13 @@ impl S3Fs {
             };
             drop(slot);
             let mut t = lock(&inodes);
-            if let Some(i) = t
-                .get_mut(ino)
-                .filter(|i| i.local_only && i.writer.is_none())
-            {
+            let settled = t
+                .get(ino)
+                .is_some_and(|i| i.local_only && i.writer.is_none());
+            if settled && result.is_ok() {
+                t.now_in_s3(ino);
+            }
+            if let Some(i) = t.get_mut(ino).filter(|_| settled) {
                 i.local_only = false;
                 match &result {
                     Ok(meta) => {
@@ -119,8 +122,6 @@ impl S3Fs {
                     }
                 }
             }
-            // Listings fetched ahead while it was local only do not show it (see `now_in_s3`).
-            t.namespace_changes += 1;
             t.forget(ino, 0);
             drop(t);
             log.iter().for_each(inode_log::InodeLog::flush);

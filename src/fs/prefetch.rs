@@ -238,13 +238,10 @@ impl Prefetcher {
                 self.last_end = Some(end);
             }
             self.requests += 1;
-            // With a data cache, whole blocks: what it can keep.
-            let fetch_start = match &self.cache {
-                Some(_) => offset / BLOCK * BLOCK,
-                None => offset,
-            };
-            let mut fetch_end = end.max(offset + MIN_RANDOM_GET);
+            let (mut fetch_start, mut fetch_end) = (offset, end.max(offset + MIN_RANDOM_GET));
             if self.cache.is_some() {
+                // Whole blocks: what the data cache can keep.
+                fetch_start = offset / BLOCK * BLOCK;
                 fetch_end = fetch_end.div_ceil(BLOCK) * BLOCK;
             }
             let fetch_end = fetch_end.min(self.size);

@@ -287,7 +287,9 @@ impl S3Fs {
         f.writers = Writers::default();
         let mut t = self.inodes();
         let unlinked = t.get(ino).is_none_or(|i| i.writer != Some(fh));
-        let mut uploaded_new = false;
+        if result.is_ok() {
+            t.now_in_s3(ino);
+        }
         if let Some(i) = t.get_mut(ino) {
             if i.writer == Some(fh) {
                 i.writer = None;
@@ -298,7 +300,6 @@ impl S3Fs {
                     i.mtime = SystemTime::now();
                     i.etag = meta.etag.clone();
                     i.validated = Some(Instant::now());
-                    uploaded_new = std::mem::take(&mut i.local_only);
                     i.meta_stamp = None;
                     i.mtime_from_writes = false;
                     if meta_in_s3 {
@@ -315,9 +316,6 @@ impl S3Fs {
                     }
                 }
             }
-        }
-        if uploaded_new {
-            t.namespace_changes += 1;
         }
         let resave = t.get(ino).is_some_and(|i| i.meta_changes != i.meta_saved);
         drop(t);
