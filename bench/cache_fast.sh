@@ -7,12 +7,14 @@
 #                       [--no-build]
 #
 # Rows, each client on a fresh mount with an empty cache, medians of RUNS:
-#   read of a SIZE object: first (from S3), second (from the cache), and `cat` of the same
-#   bytes from a local file (page cache warm, as the cache file is after the first read);
+#   read of a SIZE object: first (from S3), second and third (from the cache, the third once
+#   the cache writers caught up), and `cat` of the same bytes from a local file (page cache
+#   warm, as the cache file is after the first read);
 #   an epoch loop over FILES files of 1 MiB read in order: first pass, second pass;
 #   the mounter's peak RSS and the cache's disk use after both rows.
 # Clients: s3csi-nocache (no cache: what the first read costs without one), s3csi
-# (--cache-dir), s3fs (use_cache=DIR) and rclone (--vfs-cache-mode full) if
+# (--cache-dir --read-only; wholly cached files read by the kernel itself, FUSE passthrough),
+# s3csi-daemon (the same with --passthrough off: cache hits served through the mounter), s3fs (use_cache=DIR) and rclone (--vfs-cache-mode full) if
 # installed. Prints a Markdown table and writes it to bench/results/cache-fast-latest.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +46,9 @@ mount_one() { # NAME: starts that client's mount on $MNT with an empty cache in 
   rm -rf "$CACHE"; mkdir -p "$CACHE"
   case $1 in
     s3csi) "${CLIENT[@]}" "$WORK/s3csi" mount --foreground --endpoint-url "$ep" --force-path-style \
-      --cache-dir "$CACHE" --cache-size 20GiB bench "$MNT" ;;
+      --cache-dir "$CACHE" --cache-size 20GiB --read-only bench "$MNT" ;;
+    s3csi-daemon) "${CLIENT[@]}" "$WORK/s3csi" mount --foreground --endpoint-url "$ep" --force-path-style \
+      --cache-dir "$CACHE" --cache-size 20GiB --read-only --passthrough off bench "$MNT" ;;
     s3csi-nocache) "${CLIENT[@]}" "$WORK/s3csi" mount --foreground --endpoint-url "$ep" --force-path-style \
       bench "$MNT" ;;
     rclone) rclone_mount --vfs-cache-mode full --vfs-cache-max-size 20G --cache-dir "$CACHE" ;;
@@ -77,7 +81,7 @@ head -c "$BYTES" /dev/urandom >"$LOCAL"
 cat "$LOCAL" >/dev/null
 epoch() { find "$MNT/epoch" -type f | sort | xargs cat >/dev/null; }
 
-CLIENTS="s3csi-nocache s3csi"
+CLIENTS="s3csi-nocache s3csi s3csi-daemon"
 command -v s3fs >/dev/null && CLIENTS="$CLIENTS s3fs"
 command -v rclone >/dev/null && CLIENTS="$CLIENTS rclone"
 [ -n "$ONLY" ] && CLIENTS=$ONLY
@@ -90,6 +94,8 @@ for run in $(seq "$RUNS"); do
     add "$c" first "$(timed "${CLIENT[@]}" cat "$MNT/big.bin")"
     sleep 2 # the cache writers catch up (s3csi's runs in the background)
     add "$c" second "$(timed "${CLIENT[@]}" cat "$MNT/big.bin")"
+    sleep 2
+    add "$c" third "$(timed "${CLIENT[@]}" cat "$MNT/big.bin")"
     add "$c" epoch1 "$(timed epoch)"
     sleep 2
     add "$c" epoch2 "$(timed epoch)"
@@ -104,12 +110,12 @@ med() { echo "${T[$1,$2]:-}" | median; }
 {
   echo "Data cache on the embedded S3 server, RTT $RTT ms, $SIZE object and $FILES files of 1 MiB, median of $RUNS runs, each on a fresh mount with an empty cache"
   echo
-  echo "| client | $SIZE first read MB/s | second read MB/s | second / local cat | epoch 1 (s) | epoch 2 (s) | epoch 2 / epoch 1 | peak RSS MiB | cache on disk MiB |"
-  echo "|---|---|---|---|---|---|---|---|---|"
+  echo "| client | $SIZE first read MB/s | second read MB/s | third read MB/s | third / local cat | epoch 1 (s) | epoch 2 (s) | epoch 2 / epoch 1 | peak RSS MiB | cache on disk MiB |"
+  echo "|---|---|---|---|---|---|---|---|---|---|"
   lc=$(med local cat)
-  echo "| local file (cat) | – | $(rate "$lc" "$BYTES") | 1.00 | – | – | – | – | – |"
+  echo "| local file (cat) | – | – | $(rate "$lc" "$BYTES") | 1.00 | – | – | – | – | – |"
   for c in $CLIENTS; do
-    f=$(med "$c" first) s=$(med "$c" second) e1=$(med "$c" epoch1) e2=$(med "$c" epoch2)
-    echo "| $c | $(rate "$f" "$BYTES") | $(rate "$s" "$BYTES") | $(awk -v l="$lc" -v s="$s" 'BEGIN { printf "%.2f", l / s }') | $e1 | $e2 | $(awk -v a="$e1" -v b="$e2" 'BEGIN { printf "%.2f", b / a }') | $(med "$c" rss) | $(med "$c" disk) |"
+    f=$(med "$c" first) s=$(med "$c" second) t=$(med "$c" third) e1=$(med "$c" epoch1) e2=$(med "$c" epoch2)
+    echo "| $c | $(rate "$f" "$BYTES") | $(rate "$s" "$BYTES") | $(rate "$t" "$BYTES") | $(awk -v l="$lc" -v s="$t" 'BEGIN { printf "%.2f", l / s }') | $e1 | $e2 | $(awk -v a="$e1" -v b="$e2" 'BEGIN { printf "%.2f", b / a }') | $(med "$c" rss) | $(med "$c" disk) |"
   done
 } | tee "$OUT"

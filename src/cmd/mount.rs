@@ -518,6 +518,17 @@ fn mounter_metrics(s3: &S3Metrics, fs: &Arc<S3Fs>) -> Registry {
     if let Some(cache) = fs.data_cache() {
         register_cache_metrics(&mut registry, cache);
     }
+    if let Some(memory) = fs.memory_cache() {
+        let m = Arc::downgrade(memory);
+        registry.register_collector(Box::new(Sampled::counter(
+            "s3csi_cache_memory_hits",
+            "Reads served from --cache-memory",
+            move || {
+                m.upgrade()
+                    .map_or(0, |m| m.hits.load(std::sync::atomic::Ordering::Relaxed))
+            },
+        )));
+    }
     // Weak: the control thread must not keep the file system alive past the mount.
     let fs = Arc::downgrade(fs);
     registry.register_collector(Box::new(Sampled::gauge(
@@ -532,7 +543,7 @@ fn mounter_metrics(s3: &S3Metrics, fs: &Arc<S3Fs>) -> Registry {
 fn register_cache_metrics(registry: &mut Registry, cache: &Arc<crate::fs::cache::DataCache>) {
     use std::sync::atomic::{AtomicU64, Ordering};
     type Stat = fn(&crate::fs::cache::CacheStats) -> &AtomicU64;
-    let counters: [(&'static str, &'static str, Stat); 6] = [
+    let counters: [(&'static str, &'static str, Stat); 7] = [
         (
             "s3csi_cache_hits",
             "Reads served from the data cache",
@@ -542,6 +553,11 @@ fn register_cache_metrics(registry: &mut Registry, cache: &Arc<crate::fs::cache:
             "s3csi_cache_hit_bytes",
             "Bytes served from the data cache",
             |s| &s.hit_bytes,
+        ),
+        (
+            "s3csi_cache_passthrough_opens",
+            "Opens of wholly cached files whose reads the kernel serves from the cache file",
+            |s| &s.passthrough_opens,
         ),
         (
             "s3csi_cache_misses",

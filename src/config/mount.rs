@@ -142,14 +142,29 @@ pub struct MountConfig {
     pub cache_size: u64,
     /// Object data read is kept on local disk for later reads.
     pub data_cache: bool,
+    /// When wholly cached files are read by the kernel itself (FUSE passthrough).
+    pub passthrough: Passthrough,
     /// The data cache keeps this share (percent) of its disk free.
     pub cache_free_percent: u8,
+    /// Bytes of randomly read data kept in memory for later reads (0: none).
+    pub cache_memory: u64,
     /// Edits in place are uploaded this long after their last close/fsync, which return
     /// once the edit is on local disk (default: close and fsync upload).
     pub write_back: Option<Duration>,
     /// Stored POSIX metadata is neither shown nor written (default: it is, as s3fs does).
     pub ignore_metadata: bool,
     pub debug: bool,
+}
+
+/// When the kernel may read a wholly cached file by itself (`--passthrough`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Passthrough {
+    /// On read-only mounts, where no open can need a writer's path.
+    ReadOnly,
+    /// Also on writable mounts: opening a file for writing while it is read in
+    /// passthrough gives ETXTBSY (see `fs::passthrough`).
+    Always,
+    Off,
 }
 
 impl MountConfig {
@@ -170,6 +185,7 @@ impl MountConfig {
             sync_delete: false,
             page_cache: false,
             data_cache: false,
+            passthrough: Passthrough::ReadOnly,
             ignore_metadata: false,
             write_back: None,
             debug: false,
@@ -183,6 +199,7 @@ impl MountConfig {
             max_upload_memory: 0,
             cache_size: 0,
             cache_free_percent: 0,
+            cache_memory: 0,
         };
         for spec in MOUNT_OPTIONS {
             if let OptionValue::Text {
@@ -341,6 +358,19 @@ impl MountConfig {
             PageCache => self.page_cache = switch()?,
             CacheSize => self.cache_size = parse_size(text()?).map_err(|e| invalid(key, e))?,
             DataCache => self.data_cache = switch()?,
+            Passthrough => {
+                self.passthrough = match text()? {
+                    "read-only" | "read_only" | "ro" => self::Passthrough::ReadOnly,
+                    "always" => self::Passthrough::Always,
+                    "off" | "never" => self::Passthrough::Off,
+                    v => {
+                        return Err(invalid(
+                            key,
+                            format!("expected read-only, always or off, got {v:?}"),
+                        ))
+                    }
+                }
+            }
             CacheFree => {
                 let v = text()?;
                 self.cache_free_percent = v
@@ -352,6 +382,7 @@ impl MountConfig {
                         invalid(key, format!("expected a percentage up to 90%, got {v:?}"))
                     })?
             }
+            CacheMemory => self.cache_memory = parse_size(text()?).map_err(|e| invalid(key, e))?,
             WriteBack => {
                 self.write_back = Some(parse_duration(text()?).map_err(|e| invalid(key, e))?)
             }
@@ -395,7 +426,16 @@ impl MountConfig {
             PageCache => on(self.page_cache),
             CacheSize => Some(format_size(self.cache_size)),
             DataCache => on(self.data_cache),
+            Passthrough => Some(
+                match self.passthrough {
+                    self::Passthrough::ReadOnly => "read-only",
+                    self::Passthrough::Always => "always",
+                    self::Passthrough::Off => "off",
+                }
+                .to_string(),
+            ),
             CacheFree => Some(format!("{}%", self.cache_free_percent)),
+            CacheMemory => Some(format_size(self.cache_memory)),
             WriteBack => self.write_back.map(format_duration),
             IgnoreMetadata => on(self.ignore_metadata),
             Debug => on(self.debug),

@@ -30,7 +30,9 @@ pub enum OptionId {
     CacheDir,
     CacheSize,
     DataCache,
+    Passthrough,
     CacheFree,
+    CacheMemory,
     WriteBack,
     IgnoreMetadata,
     Foreground,
@@ -404,11 +406,29 @@ pub static MOUNT_OPTIONS: &[OptionSpec] = &[
          S3 request (on by default when --cache-dir is given; see README \"Data cache\")",
     ),
     OptionSpec::text(
+        Id::Passthrough,
+        "passthrough",
+        "WHEN",
+        Value("read-only"),
+        "When the kernel reads wholly cached files itself (FUSE passthrough, Linux 6.9+): \
+         read-only (on read-only mounts), always (also on writable ones: opening a file for \
+         writing while it is read that way gives ETXTBSY), off (through the mounter); see \
+         README \"Data cache\"",
+    ),
+    OptionSpec::text(
         Id::CacheFree,
         "cache-free",
         "PERCENT",
         Value("5%"),
         "The data cache gives up objects while its disk has less than this share free",
+    ),
+    OptionSpec::text(
+        Id::CacheMemory,
+        "cache-memory",
+        "SIZE",
+        Value("0"),
+        "Keep up to SIZE of what random reads fetched in memory, for every open file to \
+         read again (footers, indexes); 0: off",
     ),
     OptionSpec::text(
         Id::WriteBack,

@@ -22,6 +22,8 @@ pub const KEY_BASE_PREFIX: &str = "basePrefix";
 pub const KEY_REGION: &str = "region";
 pub const KEY_ENDPOINT_URL: &str = "endpointUrl";
 pub const KEY_FORCE_PATH_STYLE: &str = "forcePathStyle";
+pub const KEY_CACHE_SIZE: &str = "cacheSize";
+pub const KEY_KEEP_CACHE: &str = "keepCache";
 
 pub const SECRET_ACCESS_KEY_ID: &str = "accessKeyId";
 pub const SECRET_SECRET_ACCESS_KEY: &str = "secretAccessKey";
@@ -214,11 +216,50 @@ impl S3Location {
 }
 
 /// Parsed volume context (PV `volumeAttributes` or CreateVolume's `volume_context`).
+/// A volume's data cache on the node (`cacheSize`, `keepCache`), as a StorageClass or a
+/// PV's attributes ask for it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CacheRequest {
+    /// Bytes of node-local disk (staged edits and cached data together); `Some(0)`: no
+    /// data cache; `None`: as the mount options say.
+    pub size: Option<u64>,
+    /// The cached data outlives the volume's last unpublish on the node.
+    pub keep: Option<bool>,
+}
+
+impl CacheRequest {
+    fn set(&mut self, key: &str, value: &str) -> Result<bool, VolumeError> {
+        match key {
+            KEY_CACHE_SIZE => {
+                let size = super::units::parse_size(value)
+                    .map_err(|e| invalid(format!("{KEY_CACHE_SIZE}: {e}")))?;
+                self.size = Some(size);
+            }
+            KEY_KEEP_CACHE => self.keep = Some(parse_bool(key, value)?),
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// The attributes CreateVolume hands on to the volume's context.
+    pub fn context(&self) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        if let Some(s) = self.size {
+            out.push((KEY_CACHE_SIZE.to_string(), super::units::format_size(s)));
+        }
+        if let Some(k) = self.keep {
+            out.push((KEY_KEEP_CACHE.to_string(), k.to_string()));
+        }
+        out
+    }
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct VolumeContext {
     pub bucket: Option<String>,
     pub prefix: Option<String>,
     pub location: S3Location,
+    pub cache: CacheRequest,
 }
 
 impl VolumeContext {
@@ -240,7 +281,7 @@ impl VolumeContext {
                 }
                 _ if is_kubernetes_key(k) => {}
                 _ => {
-                    if !out.location.set(k, v)? {
+                    if !out.location.set(k, v)? && !out.cache.set(k, v)? {
                         return Err(invalid(format!("unknown volume attribute {k:?}")));
                     }
                 }
@@ -257,6 +298,7 @@ pub struct StorageClassParams {
     /// Normalised: empty or ending in `/`.
     pub base_prefix: String,
     pub location: S3Location,
+    pub cache: CacheRequest,
 }
 
 impl StorageClassParams {
@@ -264,6 +306,7 @@ impl StorageClassParams {
         let mut bucket = None;
         let mut base_prefix = String::new();
         let mut location = S3Location::default();
+        let mut cache = CacheRequest::default();
         let mut keys: Vec<&String> = params.keys().collect();
         keys.sort();
         for k in keys {
@@ -279,7 +322,7 @@ impl StorageClassParams {
                 }
                 _ if is_kubernetes_key(k) => {}
                 _ => {
-                    if !location.set(k, v)? {
+                    if !location.set(k, v)? && !cache.set(k, v)? {
                         return Err(invalid(format!("unknown StorageClass parameter {k:?}")));
                     }
                 }
@@ -291,6 +334,7 @@ impl StorageClassParams {
             bucket,
             base_prefix,
             location,
+            cache,
         })
     }
 
@@ -340,6 +384,8 @@ pub struct PublishSpec {
     pub credentials: Option<Credentials>,
     /// The validated result of all of the above, as the mounter will see it.
     pub config: MountConfig,
+    /// The data cache outlives the last unpublish on the node (`keepCache`).
+    pub keep_cache: bool,
 }
 
 pub struct PublishInput<'a> {
@@ -398,6 +444,15 @@ impl PublishSpec {
         for flag in input.mount_flags {
             config.apply_option_list(flag)?;
         }
+        // The volume's attribute wins over a mount option: it is the StorageClass's word.
+        match ctx.cache.size {
+            Some(0) => config.data_cache = false,
+            Some(size) => {
+                config.data_cache = true;
+                config.cache_size = size;
+            }
+            None => {}
+        }
         // Whatever the PV's options say: pods run as any uid, and without allow-other only
         // root could enter the mount; a read-only publish stays read-only.
         config.allow_other = true;
@@ -417,6 +472,7 @@ impl PublishSpec {
                 .filter(|f| !f.is_empty())
                 .collect(),
             credentials: Credentials::from_secrets(input.secrets)?,
+            keep_cache: ctx.cache.keep.unwrap_or(false) && config.data_cache,
             config,
         })
     }
@@ -476,6 +532,49 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("secretAccessKey") && !err.contains("AKIDEXAMPLE"));
+    }
+
+    #[test]
+    fn the_cache_attributes_turn_the_data_cache_on_or_off() {
+        let none = HashMap::new();
+        let spec = |ctx: &[(&str, &str)], flags: &[&str]| {
+            let ctx = map(ctx);
+            let flags: Vec<String> = flags.iter().map(|f| f.to_string()).collect();
+            PublishSpec::parse(PublishInput {
+                volume_id: "bkt/vol",
+                volume_context: &ctx,
+                publish_context: &none,
+                secrets: &none,
+                mount_flags: &flags,
+                volume_mount_group: "",
+                read_only: false,
+                defaults: &Endpoint::default(),
+            })
+        };
+        let s = spec(&[("cacheSize", "20GiB"), ("keepCache", "true")], &[]).unwrap();
+        assert!(s.config.data_cache && s.keep_cache);
+        assert_eq!(s.config.cache_size, 20 << 30);
+        assert!(s.mount_args().contains(&"--data-cache".to_string()));
+        // The attribute wins over the mount options; keepCache alone keeps nothing.
+        let s = spec(
+            &[("cacheSize", "0"), ("keepCache", "true")],
+            &["data-cache"],
+        )
+        .unwrap();
+        assert!(!s.config.data_cache && !s.keep_cache);
+        let s = spec(&[], &["data-cache", "cache-size=1GiB"]).unwrap();
+        assert!(s.config.data_cache && !s.keep_cache);
+        let err = spec(&[("cacheSize", "lots")], &[]).unwrap_err();
+        assert!(err.to_string().contains("cacheSize"), "{err}");
+        let err = spec(&[("keepCache", "maybe")], &[]).unwrap_err();
+        assert!(err.to_string().contains("keepCache"), "{err}");
+        // A StorageClass hands them on to its volumes.
+        let sc =
+            StorageClassParams::parse(&map(&[("bucket", "bkt"), ("cacheSize", "5GiB")])).unwrap();
+        assert_eq!(
+            sc.cache.context(),
+            vec![("cacheSize".into(), "5GiB".into())]
+        );
     }
 
     #[test]

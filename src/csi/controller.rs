@@ -281,6 +281,7 @@ impl ControllerService {
         if let Some(f) = params.location.force_path_style {
             ctx.insert(KEY_FORCE_PATH_STYLE.into(), f.to_string());
         }
+        ctx.extend(params.cache.context());
         tracing::info!(
             volume_id,
             capacity_bytes = record.capacity_bytes,

@@ -194,6 +194,7 @@ impl NodeService {
                 allow_other: spec.config.allow_other || spec.config.allow_root,
                 no_default_permissions: spec.config.no_default_permissions,
             },
+            keep_cache: spec.keep_cache,
         };
         tracing::info!(
             source = %request.source,

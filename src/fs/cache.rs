@@ -43,6 +43,8 @@ pub struct CacheStats {
     /// Reads served wholly from the cache, and their bytes.
     pub hits: AtomicU64,
     pub hit_bytes: AtomicU64,
+    /// Opens whose reads the kernel serves from the cache file itself (passthrough).
+    pub passthrough_opens: AtomicU64,
     /// Reads of a cached object's version that needed S3.
     pub misses: AtomicU64,
     pub written_bytes: AtomicU64,
@@ -172,6 +174,24 @@ impl Entry {
         }
         let files = lock(&self.files);
         let (data, _) = files.as_ref()?;
+        if !self.verify(cache, data, unverified) {
+            return None;
+        }
+        let mut out = BytesMut::zeroed((end - offset) as usize);
+        data.read_exact_at(&mut out, offset).ok()?;
+        drop(files);
+        cache.touch(self);
+        cache.stats.hits.fetch_add(1, Ordering::Relaxed);
+        cache
+            .stats
+            .hit_bytes
+            .fetch_add(end - offset, Ordering::Relaxed);
+        Some(out.freeze())
+    }
+
+    /// Checks blocks a predecessor wrote against their records; false (the first bad one
+    /// dropped, with a log line) if one does not match.
+    fn verify(&self, cache: &DataCache, data: &File, unverified: Vec<(usize, u32)>) -> bool {
         for (b, crc) in unverified {
             let mut buf = vec![0u8; self.block_len(b) as usize];
             let ok = data.read_exact_at(&mut buf, b as u64 * BLOCK).is_ok()
@@ -187,19 +207,45 @@ impl Entry {
                     "a cached block does not match its checksum; dropped, read from S3");
                 self.bytes.fetch_sub(self.block_len(b), Ordering::Relaxed);
                 lock(&cache.state).used -= self.block_len(b);
-                return None;
+                return false;
             }
         }
-        let mut out = BytesMut::zeroed((end - offset) as usize);
-        data.read_exact_at(&mut out, offset).ok()?;
+        true
+    }
+
+    /// A read-only descriptor of the data file, if every block is cached and checked:
+    /// what the kernel may read the whole version from by itself (FUSE passthrough). The
+    /// file is only ever unlinked while open (eviction), never rewritten, so what it
+    /// reads stays this version's bytes.
+    pub fn backing_file(&self, cache: &DataCache) -> Option<File> {
+        if self.dead.load(Ordering::Relaxed) {
+            return None;
+        }
+        let unverified = {
+            let blocks = lock(&self.blocks);
+            let mut v = Vec::new();
+            for (b, state) in blocks.iter().enumerate() {
+                match state {
+                    Block::Absent => return None,
+                    Block::Unverified(crc) => v.push((b, *crc)),
+                    Block::Good => {}
+                }
+            }
+            v
+        };
+        let files = lock(&self.files);
+        let (data, _) = files.as_ref()?;
+        if !self.verify(cache, data, unverified) {
+            return None;
+        }
+        let file = File::open(cache.dir.join(format!("{}.blocks", self.name))).ok()?;
         drop(files);
         cache.touch(self);
-        cache.stats.hits.fetch_add(1, Ordering::Relaxed);
         cache
             .stats
-            .hit_bytes
-            .fetch_add(end - offset, Ordering::Relaxed);
-        Some(out.freeze())
+            .passthrough_opens
+            .fetch_add(1, Ordering::Relaxed);
+        Some(file)
     }
 
     /// Whether every block is cached (and none still waits for its check).
@@ -328,6 +374,36 @@ impl DataCache {
                 st.names.remove(&e.name);
             }
         }
+    }
+
+    /// Takes `len` bytes of the write queue's allowance for data held until it can be
+    /// offered (an upload's parts, until S3 names the version they make); false when the
+    /// allowance is used up. [`Self::unhold`] gives it back.
+    pub fn hold(&self, len: u64) -> bool {
+        if self.queued.fetch_add(len, Ordering::Relaxed) + len > WRITE_QUEUE_BYTES {
+            self.queued.fetch_sub(len, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+
+    pub fn unhold(&self, len: u64) {
+        self.queued.fetch_sub(len, Ordering::Relaxed);
+    }
+
+    /// What an upload wrote, now version `etag` of `key` (`size` bytes): the pieces
+    /// `(offset, bytes)` are kept like fetched ones, so that reading a file written here
+    /// needs no GET.
+    pub fn offer_written(&self, key: &str, etag: &str, size: u64, pieces: Vec<(u64, Bytes)>) {
+        let Some(e) = self.entry(key, etag, size) else {
+            return;
+        };
+        for (at, bytes) in pieces {
+            if at + bytes.len() as u64 <= size {
+                self.offer(&e, at, bytes);
+            }
+        }
+        self.release(&e);
     }
 
     /// Bytes `start..` fetched from S3 for `e`: the whole blocks among them are kept, in

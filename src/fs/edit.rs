@@ -98,6 +98,11 @@ impl S3Fs {
         self.data_cache.get()
     }
 
+    /// `--cache-memory`'s cache, if it is on.
+    pub fn memory_cache(&self) -> Option<&Arc<super::memcache::MemoryCache>> {
+        self.memory_cache.as_ref()
+    }
+
     fn commit_config(&self) -> CommitConfig {
         CommitConfig {
             client: self.client.clone(),
@@ -224,6 +229,17 @@ impl S3Fs {
         match file.commit(&self.commit_config(), headers.as_ref()).await {
             Ok(None) => Ok(file),
             Ok(Some(meta)) => {
+                if let (Some(cache), Some(etag)) = (self.data_cache.get(), &meta.etag) {
+                    // The new version's local bytes: reading it back needs no GET.
+                    let mut held = 0;
+                    let pieces = file.local_blocks(super::cache::BLOCK, |n| {
+                        let ok = cache.hold(n);
+                        held += if ok { n } else { 0 };
+                        ok
+                    });
+                    cache.unhold(held);
+                    cache.offer_written(file.key(), etag, file.size(), pieces);
+                }
                 let mut t = self.inodes();
                 t.now_in_s3(ino);
                 if let Some(i) = t.get_mut(ino) {

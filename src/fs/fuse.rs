@@ -3,6 +3,7 @@
 
 use super::meta::NodeType;
 use super::meta_update::{Creator, SetAttrs};
+use super::passthrough::BackingTable;
 use super::{Attr, FsError, OpenMode, S3Fs};
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
@@ -20,9 +21,40 @@ pub struct FuseAdapter {
     rt: Handle,
     /// What `open` and `create` tell the kernel about a file's data; decided at INIT.
     file_flags: FopenFlags,
-    /// Set for a replacement mounter: whether the connection it takes over negotiated
-    /// FUSE_DIRECT_IO_ALLOW_MMAP (the replayed INIT cannot change what was negotiated).
-    inherited_mmap_with_direct_io: Option<bool>,
+    /// Set for a replacement mounter: what the connection it takes over negotiated (the
+    /// replayed INIT cannot change it).
+    inherited: Option<Negotiated>,
+    /// Files the kernel reads from the data cache by itself (FUSE passthrough).
+    backing: Arc<BackingTable>,
+    /// A mounter a replacement may take over (CSI): no passthrough, since the kernel
+    /// would demand every later open of such a file be passthrough with a backing id the
+    /// replacement does not know (EIO otherwise).
+    replaceable: bool,
+}
+
+/// What a connection's FUSE_INIT reply enabled, of what the data path depends on.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Negotiated {
+    /// FUSE_DIRECT_IO_ALLOW_MMAP: MAP_SHARED works on direct-I/O files.
+    pub mmap_with_direct_io: bool,
+}
+
+impl Negotiated {
+    /// Read off a saved FUSE_INIT reply (out header + fuse_init_out): the bit lives in
+    /// `flags2` (bytes 48..52).
+    pub fn of_init_reply(reply: &[u8]) -> Self {
+        let word = |at: usize| {
+            reply
+                .get(at..at + 4)
+                .map_or(0, |b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
+        };
+        const FLAGS2: usize = 16 + 32;
+        let high = |f: InitFlags| (f.bits() >> 32) as u32;
+        let flags2 = word(FLAGS2);
+        Self {
+            mmap_with_direct_io: flags2 & high(InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP) != 0,
+        }
+    }
 }
 
 impl FuseAdapter {
@@ -31,27 +63,23 @@ impl FuseAdapter {
             fs,
             rt,
             file_flags: FopenFlags::empty(),
-            inherited_mmap_with_direct_io: None,
+            inherited: None,
+            backing: Arc::new(BackingTable::new(false)),
+            replaceable: false,
         }
     }
 
-    /// For a mounter that takes over a connection: `negotiated` says whether the first
-    /// mounter's INIT reply enabled MAP_SHARED on direct-I/O files.
-    pub fn taking_over(mut self, negotiated: bool) -> Self {
-        self.inherited_mmap_with_direct_io = Some(negotiated);
+    /// For a mounter of a connection a replacement may take over (see `session.rs`).
+    pub fn replaceable(mut self) -> Self {
+        self.replaceable = true;
         self
     }
-}
 
-/// Does this FUSE_INIT reply (out header + fuse_init_out) enable
-/// FUSE_DIRECT_IO_ALLOW_MMAP? That bit lives in `flags2`, bytes 48..52.
-pub fn init_reply_allows_direct_io_mmap(reply: &[u8]) -> bool {
-    const FLAGS2: usize = 16 + 32;
-    let bit = (InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP.bits() >> 32) as u32;
-    reply
-        .get(FLAGS2..FLAGS2 + 4)
-        .map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]) & bit != 0)
-        .unwrap_or(false)
+    /// For a mounter that takes over a connection the first mounter negotiated.
+    pub fn taking_over(mut self, negotiated: Negotiated) -> Self {
+        self.inherited = Some(negotiated);
+        self
+    }
 }
 
 fn errno(e: &FsError) -> Errno {
@@ -152,17 +180,33 @@ impl Filesystem for FuseAdapter {
             .is_ok();
         // A replacement mounter's answer to the replayed INIT goes nowhere: what counts is
         // what the first mounter negotiated.
-        let mmap_ok = self.inherited_mmap_with_direct_io.unwrap_or(kernel_allows);
-        let direct = !self.fs.config().page_cache && mmap_ok;
+        let mmap_ok = self
+            .inherited
+            .map_or(kernel_allows, |n| n.mmap_with_direct_io);
+        let fs_cfg = self.fs.config();
+        let direct = !fs_cfg.page_cache && mmap_ok;
         self.file_flags = if direct {
             FopenFlags::FOPEN_DIRECT_IO
         } else {
             FopenFlags::empty()
         };
+        // Passthrough: a read-only open of a version wholly in the data cache names the
+        // cache file, and the kernel reads it by itself, as from a local file. Only beside
+        // direct I/O: the kernel refuses passthrough on an inode a page-cache descriptor
+        // has open. Stack depth 1: the cache file lies on a plain local file system, and
+        // an overlayfs may still be stacked on this mount.
+        let passthrough = fs_cfg.data_cache
+            && fs_cfg.passthrough
+            && direct
+            && !self.replaceable
+            && config.add_capabilities(InitFlags::FUSE_PASSTHROUGH).is_ok()
+            && config.set_max_stack_depth(1).is_ok();
+        self.backing = Arc::new(BackingTable::new(passthrough));
         tracing::info!(
             direct_io = direct,
-            page_cache_option = self.fs.config().page_cache,
+            page_cache_option = fs_cfg.page_cache,
             mmap_with_direct_io = mmap_ok,
+            passthrough,
             "file data path"
         );
         let _ = config.set_max_readahead(1024 * 1024);
@@ -409,11 +453,45 @@ impl Filesystem for FuseAdapter {
         let fs = self.fs.clone();
         let file_flags = self.file_flags;
         let mode = open_mode(flags.0);
+        let backing = self.backing.clone();
         self.rt.spawn(async move {
-            match fs.open(ino.0, mode).await {
-                Ok(fh) => reply.opened(FileHandle(fh), file_flags),
-                Err(e) => reply.error(errno(&e)),
+            if !backing.enabled() {
+                return match fs.open(ino.0, mode).await {
+                    Ok(fh) => reply.opened(FileHandle(fh), file_flags),
+                    Err(e) => reply.error(errno(&e)),
+                };
             }
+            // See `passthrough.rs`: how an open may open an inode depends on the others.
+            if mode.write && !backing.writer_opening(ino.0).await {
+                return reply.error(Errno::from_i32(libc::ETXTBSY));
+            }
+            let opened = fs.open(ino.0, mode).await;
+            let mut t = backing.lock().await;
+            if mode.write {
+                BackingTable::writer_opened(&mut t, ino.0);
+            }
+            let fh = match opened {
+                Ok(fh) => fh,
+                Err(e) => return reply.error(errno(&e)),
+            };
+            if !mode.write {
+                if let Some(id) = t.join(ino.0, fh) {
+                    return reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &id);
+                }
+                if t.may_enter(ino.0) {
+                    if let Some(file) = fs.backing_file(fh).await {
+                        let register = |f: &std::fs::File| reply.open_backing(f);
+                        if let Some(id) = t.enter(&backing, ino.0, fh, &file, register) {
+                            return reply.opened_passthrough(
+                                FileHandle(fh),
+                                FopenFlags::empty(),
+                                &id,
+                            );
+                        }
+                    }
+                }
+            }
+            reply.opened(FileHandle(fh), file_flags)
         });
     }
 
@@ -431,11 +509,25 @@ impl Filesystem for FuseAdapter {
         let name = name.to_owned();
         let file_flags = self.file_flags;
         let who = creator(req);
+        let backing = self.backing.clone();
         self.rt.spawn(async move {
+            // A create of a name that exists opens that file for writing (see `open`).
+            let existing = utf8(&name)
+                .ok()
+                .and_then(|n| fs.child_ino(parent.0, n))
+                .filter(|_| backing.enabled());
+            if let Some(ino) = existing {
+                if !backing.writer_opening(ino).await {
+                    return reply.error(Errno::from_i32(libc::ETXTBSY));
+                }
+            }
             let res = match utf8(&name) {
                 Ok(n) => fs.create(parent.0, n, open_mode(flags)).await,
                 Err(e) => Err(e),
             };
+            if let Some(ino) = existing {
+                BackingTable::writer_opened(&mut *backing.lock().await, ino);
+            }
             // Its mode and owner go with its upload.
             let res = res.map(|(a, fh)| {
                 fs.init_meta(a.ino, mode & !umask, who);
@@ -524,6 +616,7 @@ impl Filesystem for FuseAdapter {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
+        self.backing.release(fh.0);
         let fs = self.fs.clone();
         self.rt.spawn(async move {
             match fs.release(fh.0).await {

@@ -158,6 +158,39 @@ impl S3Fs {
         Ok(fh)
     }
 
+    /// The inode `name` in `parent` names, if this mount knows it (no request).
+    pub fn child_ino(&self, parent: u64, name: &str) -> Option<u64> {
+        self.inodes().child(parent, name).map(|i| i.ino)
+    }
+
+    /// For FUSE passthrough: the cache file that holds every byte of the version the
+    /// read-only handle `fh` reads, when the kernel may read it by itself. Only for the
+    /// inode's one open handle: once in passthrough, every open of the inode must be (see
+    /// `passthrough.rs`), and the kernel refuses it beside a descriptor that could use the
+    /// page cache (a shared mmap).
+    pub async fn backing_file(&self, fh: u64) -> Option<std::fs::File> {
+        if !self.cfg.passthrough {
+            return None;
+        }
+        let file = self.file_handle(fh).ok()?;
+        let f = file.lock().await;
+        let FileState::Read(p) = &f.state else {
+            return None;
+        };
+        if f.writable {
+            return None;
+        }
+        {
+            let t = self.inodes();
+            let i = t.get(f.ino)?;
+            if i.writer.is_some() || i.open_handles != 1 {
+                return None;
+            }
+        }
+        let (cache, entry) = p.cached()?;
+        entry.backing_file(cache)
+    }
+
     /// A reader of the version of `i` this mount knows (key + ETag), `size` bytes long.
     pub(super) fn prefetcher(&self, i: &Inode, size: u64) -> Prefetcher {
         let p = Prefetcher::new(
@@ -168,8 +201,12 @@ impl S3Fs {
             self.cfg.prefetch,
             self.prefetch_budget.clone(),
         );
-        match self.data_cache.get() {
+        let p = match self.data_cache.get() {
             Some(c) => p.with_cache(c),
+            None => p,
+        };
+        match &self.memory_cache {
+            Some(m) => p.with_memory(m.clone()),
             None => p,
         }
     }

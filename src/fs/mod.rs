@@ -33,9 +33,11 @@ mod handles;
 pub mod inode;
 pub mod inode_log;
 mod lookup;
+pub mod memcache;
 pub mod meta;
 mod meta_update;
 mod namespace;
+mod passthrough;
 mod pending_create;
 pub mod prefetch;
 pub mod ranges;
@@ -117,8 +119,13 @@ pub struct FsConfig {
     pub cache_size: u64,
     /// Object data read is kept in `cache_dir/data` for later reads (see `cache.rs`).
     pub data_cache: bool,
+    /// A read-only open of a version wholly in the data cache lets the kernel read the
+    /// cache file itself (FUSE passthrough; see `fuse.rs`).
+    pub passthrough: bool,
     /// The data cache keeps this share (percent) of its disk free.
     pub cache_free_percent: u8,
+    /// Bytes of randomly read data kept in memory for every handle (see `memcache.rs`).
+    pub cache_memory: u64,
     /// Edits in place are uploaded this long after their last close/fsync, which return
     /// once the edit is on local disk (see `edit.rs`); `None`: close and fsync upload.
     pub write_back: Option<Duration>,
@@ -148,7 +155,13 @@ impl From<&MountConfig> for FsConfig {
             cache_dir: None,
             cache_size: cfg.cache_size,
             data_cache: cfg.data_cache,
+            passthrough: match cfg.passthrough {
+                crate::config::mount::Passthrough::Always => true,
+                crate::config::mount::Passthrough::ReadOnly => cfg.read_only,
+                crate::config::mount::Passthrough::Off => false,
+            },
             cache_free_percent: cfg.cache_free_percent,
+            cache_memory: cfg.cache_memory,
             write_back: cfg.write_back,
             posix_metadata: !cfg.ignore_metadata,
         }
@@ -225,6 +238,7 @@ pub struct S3Fs {
     staging: std::sync::OnceLock<Arc<staging::StagingArea>>,
     /// `--data-cache` (see `open_staging`).
     data_cache: std::sync::OnceLock<Arc<cache::DataCache>>,
+    memory_cache: Option<Arc<memcache::MemoryCache>>,
     /// The staged copy of each file being edited in place, by inode (see `edit.rs`).
     staged: Mutex<HashMap<u64, edit::Staged>>,
     /// Directory listings fetched ahead of a tree walk (see `walk_ahead.rs`).
@@ -284,6 +298,8 @@ impl S3Fs {
         let units = (cfg.max_prefetch_memory / BUDGET_UNIT).min(u32::MAX as u64 / 2) as usize;
         let deletes = Arc::new(DeferredDeletes::new(client, !cfg.sync_delete));
         let upload_budget = upload::UploadBudget::new(cfg.max_upload_memory);
+        let memory_cache =
+            (cfg.cache_memory > 0).then(|| Arc::new(memcache::MemoryCache::new(cfg.cache_memory)));
         Self {
             inodes: Arc::new(Mutex::new(InodeTable::new(
                 cfg.prefix.clone(),
@@ -304,6 +320,7 @@ impl S3Fs {
             stopping: AtomicBool::new(false),
             staging: std::sync::OnceLock::new(),
             data_cache: std::sync::OnceLock::new(),
+            memory_cache,
             staged: Mutex::new(HashMap::new()),
             walk: Mutex::new(Default::default()),
             write_back: Mutex::new(HashMap::new()),

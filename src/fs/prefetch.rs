@@ -12,6 +12,7 @@
 
 use super::cache::{DataCache, Entry, BLOCK};
 use super::error::{FsError, FsResult};
+use super::memcache::MemoryCache;
 use crate::s3::{ObjectClient, S3Error};
 use bytes::{Bytes, BytesMut};
 use std::collections::VecDeque;
@@ -136,6 +137,8 @@ pub struct Prefetcher {
     /// This version's entry in the data cache: reads it holds need no GET, and what
     /// GETs bring back is offered to it.
     cache: Option<CachedVersion>,
+    /// `--cache-memory`: what random reads fetched, shared by every handle.
+    memory: Option<Arc<MemoryCache>>,
 }
 
 struct CachedVersion {
@@ -177,6 +180,7 @@ impl Prefetcher {
             random_block: None,
             requests: 0,
             cache: None,
+            memory: None,
         }
     }
 
@@ -192,6 +196,19 @@ impl Prefetcher {
                 });
         }
         self
+    }
+
+    /// Random reads are looked up in, and what they fetch kept in, `memory`.
+    pub fn with_memory(mut self, memory: Arc<MemoryCache>) -> Self {
+        if self.etag.is_some() {
+            self.memory = Some(memory);
+        }
+        self
+    }
+
+    /// This version's entry in the data cache, if it has one.
+    pub fn cached(&self) -> Option<(&Arc<DataCache>, &Arc<Entry>)> {
+        self.cache.as_ref().map(|c| (&c.cache, &c.entry))
     }
 
     fn reset(&mut self, at: u64) {
@@ -211,6 +228,12 @@ impl Prefetcher {
                 return Ok(hit);
             }
             c.cache.stats.misses.fetch_add(1, Ordering::Relaxed);
+        }
+        if let (Some(m), Some(etag)) = (&self.memory, &self.etag) {
+            if let Some(hit) = m.get(&self.key, etag, offset, end) {
+                self.last_end = Some(end);
+                return Ok(hit);
+            }
         }
         if let Some((start, block)) = &self.random_block {
             if *start <= offset && end <= start + block.len() as u64 {
@@ -256,6 +279,9 @@ impl Prefetcher {
             .map_err(read_error)?;
             if let Some(c) = &self.cache {
                 c.cache.offer(&c.entry, fetch_start, block.clone());
+            }
+            if let (Some(m), Some(etag)) = (&self.memory, &self.etag) {
+                m.put(&self.key, etag, fetch_start, block.clone());
             }
             let from = ((offset - fetch_start) as usize).min(block.len());
             let to = (from + (end - offset) as usize).min(block.len());

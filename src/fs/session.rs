@@ -168,13 +168,13 @@ pub fn serve_descriptor(
     nix::unistd::write(&ours, &init).map_err(sys("replaying FUSE_INIT"))?;
 
     let reply_path = &files.init_reply;
-    let mut adapter = FuseAdapter::new(fs.clone(), rt.handle().clone());
+    let mut adapter = FuseAdapter::new(fs.clone(), rt.handle().clone()).replaceable();
     if recover {
         // A mounter from before direct I/O saved no reply: its connection has no
         // FUSE_DIRECT_IO_ALLOW_MMAP, so direct I/O would break MAP_SHARED there.
         let negotiated = std::fs::read(reply_path)
-            .map(|r| super::fuse::init_reply_allows_direct_io_mmap(&r))
-            .unwrap_or(false);
+            .map(|r| super::fuse::Negotiated::of_init_reply(&r))
+            .unwrap_or_default();
         adapter = adapter.taking_over(negotiated);
     }
     let mut fuse_cfg = fuser::Config::default();

@@ -602,6 +602,30 @@ impl StagedFile {
         }
     }
 
+    /// The blocks of `block` bytes (the last one shorter) whose every byte is local, up to
+    /// `budget` bytes, read: what the data cache may keep of this content once committed.
+    /// Bytes above the fetch limit are local zeros.
+    pub fn local_blocks(&self, block: u64, mut take: impl FnMut(u64) -> bool) -> Vec<(u64, Bytes)> {
+        let mut out = Vec::new();
+        let mut at = 0;
+        while at < self.size {
+            let end = (at + block).min(self.size);
+            let base_end = end.min(self.fetch_limit);
+            let local = at >= base_end || self.present.covered(at, base_end) == base_end - at;
+            if local && take(end - at) {
+                let mut buf = vec![0u8; (end - at) as usize];
+                if self.file.read_exact_at(&mut buf, at).is_err() {
+                    break;
+                }
+                out.push((at, Bytes::from(buf)));
+            } else if local {
+                break;
+            }
+            at = end;
+        }
+        out
+    }
+
     /// Bytes `offset..offset+len` (clipped to the size), fetching from the base version
     /// what is not local.
     pub async fn read(

@@ -1153,3 +1153,45 @@ async fn a_file_open_for_writing_moves_with_what_was_written() {
     assert_eq!(rest.as_ref(), b" line1 line2");
     fs.release(fh).await.unwrap();
 }
+
+/// `--cache-memory`: what one handle's random read fetched (a footer) serves the next
+/// handle's reads of it with no GET; another version of the object is not served from it.
+#[tokio::test]
+async fn random_reads_are_kept_in_memory_for_every_handle() {
+    let mem = Arc::new(MemClient::new());
+    let body: Vec<u8> = (0..4_000_000u32).map(|i| (i % 251) as u8).collect();
+    mem.insert("f", body.clone());
+    let fs = S3Fs::new(
+        mem.clone(),
+        FsConfig {
+            cache_memory: 8 << 20,
+            metadata_ttl: Duration::ZERO,
+            ..FsConfig::default()
+        },
+    );
+    let a = fs.lookup(ROOT, "f").await.unwrap();
+    let tail = 3_990_000usize;
+    let read = |at: usize, n: u32| {
+        let fs = &fs;
+        async move {
+            let fh = fs.open(a.ino, R).await.unwrap();
+            let got = fs.read(fh, at as u64, n).await.unwrap();
+            fs.release(fh).await.unwrap();
+            got
+        }
+    };
+    assert_eq!(read(tail, 1000).await.as_ref(), &body[tail..tail + 1000]);
+    let gets = mem.gets();
+    assert_eq!(
+        read(tail + 100, 500).await.as_ref(),
+        &body[tail + 100..tail + 600]
+    );
+    assert_eq!(mem.gets(), gets, "the second handle's read sent a GET");
+    // Replaced: the next open learns the new ETag, and reads the new bytes.
+    let other: Vec<u8> = body.iter().map(|b| b ^ 0xff).collect();
+    mem.insert("f", other.clone());
+    assert_eq!(
+        read(tail + 100, 500).await.as_ref(),
+        &other[tail + 100..tail + 600]
+    );
+}

@@ -9,6 +9,7 @@
 //! durable until [`Upload::finish`] has completed the upload; any failure there, or of
 //! an earlier part, is returned so close/fsync can report EIO.
 
+use super::cache::DataCache;
 use super::error::{FsError, FsResult};
 use super::prefetch::BUDGET_UNIT;
 use crate::s3::{CompletedPart, ObjectClient, ObjectMeta, S3Error, WriteCondition};
@@ -85,6 +86,42 @@ pub struct Upload {
     meta_sent: Option<crate::s3::UserMeta>,
     /// The object must not exist when it is written (`If-None-Match: *`, see `create_only`).
     create_only: bool,
+    /// What was sent, kept for the data cache until S3 names the version (see `keep_for`).
+    kept: Option<KeptForCache>,
+}
+
+/// An upload's parts held for the data cache, within its write queue's allowance (past
+/// it, nothing more is kept: the rest is cached when first read).
+struct KeptForCache {
+    cache: Arc<DataCache>,
+    pieces: Vec<(u64, Bytes)>,
+    bytes: u64,
+}
+
+impl KeptForCache {
+    fn keep(&mut self, at: u64, body: &Bytes) -> bool {
+        let len = body.len() as u64;
+        if !self.cache.hold(len) {
+            return false;
+        }
+        self.bytes += len;
+        self.pieces.push((at, body.clone()));
+        true
+    }
+
+    fn offer(mut self, key: &str, meta: &ObjectMeta, size: u64) {
+        if let Some(etag) = &meta.etag {
+            self.cache.unhold(std::mem::take(&mut self.bytes));
+            let pieces = std::mem::take(&mut self.pieces);
+            self.cache.offer_written(key, etag, size, pieces);
+        }
+    }
+}
+
+impl Drop for KeptForCache {
+    fn drop(&mut self) {
+        self.cache.unhold(self.bytes);
+    }
 }
 
 impl Upload {
@@ -112,6 +149,26 @@ impl Upload {
             meta: None,
             meta_sent: None,
             create_only: false,
+            kept: None,
+        }
+    }
+
+    /// What this upload sends is offered to `cache` once it is in S3.
+    pub fn keep_for(mut self, cache: Option<&Arc<DataCache>>) -> Self {
+        self.kept = cache.map(|cache| KeptForCache {
+            cache: cache.clone(),
+            pieces: Vec::new(),
+            bytes: 0,
+        });
+        self
+    }
+
+    /// `body`, starting at `at`, is sent: the data cache may have it too.
+    fn keep_sent(&mut self, at: u64, body: &Bytes) {
+        if let Some(k) = &mut self.kept {
+            if !k.keep(at, body) {
+                self.kept = None;
+            }
         }
     }
 
@@ -265,7 +322,9 @@ impl Upload {
                 // The last part S3 allows goes at finish, with whatever is left.
                 break;
             }
+            let at = self.written - self.buf.len() as u64;
             let part = self.buf.split_to(size).freeze();
+            self.keep_sent(at, &part);
             if let Err(e) = self.send_part(part).await {
                 self.failed = Some(e.clone());
                 return Err(FsError::UploadFailed(e));
@@ -322,16 +381,21 @@ impl Upload {
         }
         // Not for an empty body: moto never answers a conditional PUT of one.
         let cond = (self.create_only && self.written > 0).then_some(WriteCondition::IfNoneMatch);
+        let rest_at = self.written - self.buf.len() as u64;
         let Some(id) = self.upload_id.clone() else {
             let body = std::mem::take(&mut self.buf).freeze();
+            self.keep_sent(rest_at, &body);
             self.meta_sent = self.meta.clone();
-            return self
+            let meta = self
                 .client
                 .put_object_if(&self.key, body, cond.as_ref(), self.meta.as_ref())
-                .await;
+                .await?;
+            self.offer_kept(&meta);
+            return Ok(meta);
         };
         if !self.buf.is_empty() {
             let rest = std::mem::take(&mut self.buf).freeze();
+            self.keep_sent(rest_at, &rest);
             self.send_part(rest).await?;
         }
         while !self.inflight.is_empty() {
@@ -343,7 +407,14 @@ impl Upload {
             .complete_multipart_if(&self.key, &id, parts, cond.as_ref())
             .await?;
         self.upload_id = None;
+        self.offer_kept(&meta);
         Ok(meta)
+    }
+
+    fn offer_kept(&mut self, meta: &ObjectMeta) {
+        if let Some(k) = self.kept.take() {
+            k.offer(&self.key, meta, self.written);
+        }
     }
 
     /// Abandons the upload: nothing written becomes visible.

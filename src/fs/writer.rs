@@ -13,6 +13,7 @@ impl S3Fs {
             self.cfg.max_concurrency,
             self.upload_budget.clone(),
         )
+        .keep_for(self.data_cache.get())
     }
 
     /// Registers a writer on `ino` whose object starts `size` bytes long, failing if

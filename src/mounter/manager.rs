@@ -162,6 +162,29 @@ impl MountManager {
         let _ = std::fs::remove_dir_all(dir);
     }
 
+    /// Where the data cache of a volume published with `keepCache` lives:
+    /// `STATE_DIR/cache/<volume>/data`, which the mount's `cache/data` links to. Removing the
+    /// handoff directory at unpublish removes the link, not what it points to, so the next
+    /// publish of the volume on this node (and its pod-mode mounter, which gets that
+    /// directory as a hostPath of its own) finds the data again.
+    fn keep_cache(&self, volume_id: &str, handoff: &Path) -> Result<(), MountError> {
+        let kept = self
+            .state_dir
+            .join("cache")
+            .join(key_for(Path::new(volume_id)))
+            .join("data");
+        let cache = handoff.join("cache");
+        let made = private_dir(&kept)
+            .and_then(|_| private_dir(&cache))
+            .and_then(|_| std::os::unix::fs::symlink(&kept, cache.join("data")));
+        made.map_err(|e| {
+            MountError::other(format!(
+                "cannot keep the data cache in {}: {e}",
+                kept.display()
+            ))
+        })
+    }
+
     /// How many mounters this node service replaced, all volumes together.
     pub fn replacements_total(&self) -> u64 {
         self.replacements_total.load(Ordering::Relaxed)
@@ -306,6 +329,8 @@ impl MountManager {
                     .collect(),
                 env,
                 kernel: handoff::KernelMount::default(),
+                // The link to a kept cache is in the handoff directory already.
+                keep_cache: false,
             });
             tracing::info!(
                 volume_id,
@@ -497,6 +522,9 @@ impl Mounter for MountManager {
         self.remove_handoff_dir(&dir);
         std::fs::create_dir_all(&dir)
             .map_err(|e| MountError::other(format!("cannot create {}: {e}", dir.display())))?;
+        if req.keep_cache {
+            self.keep_cache(&req.volume_id, &dir)?;
+        }
         handoff::clear_failure(&dir);
         let m = match self.backend.start(&req, &dir, false, 0).await {
             Ok(m) => m,

@@ -57,6 +57,9 @@ pub struct MountRequest {
     pub scrub: Vec<String>,
     /// How the kernel mount is made.
     pub kernel: handoff::KernelMount,
+    /// The volume's data cache lives beside the node's state, not in the mount's handoff
+    /// directory, and outlives its unpublish (`keepCache`; see `MountManager::keep_cache`).
+    pub keep_cache: bool,
 }
 
 impl std::fmt::Debug for MountRequest {

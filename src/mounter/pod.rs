@@ -325,6 +325,16 @@ impl PodLauncher {
             }],
             "volumes": [{"name": "handoff", "hostPath": {"path": dir_text, "type": "Directory"}}],
         });
+        if let Ok(kept) = std::fs::read_link(dir.join("cache").join("data")) {
+            // A kept data cache (`keepCache`) lives outside the handoff directory.
+            let kept = kept.to_string_lossy();
+            if let Some(v) = spec["containers"][0]["volumeMounts"].as_array_mut() {
+                v.push(json!({"name": "cache", "mountPath": kept}));
+            }
+            if let Some(v) = spec["volumes"].as_array_mut() {
+                v.push(json!({"name": "cache", "hostPath": {"path": kept, "type": "Directory"}}));
+            }
+        }
         if let Some(sa) = &s.service_account {
             spec["serviceAccountName"] = json!(sa);
         }

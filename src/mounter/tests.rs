@@ -282,6 +282,7 @@ impl Node {
                 fsname: "s3csi:bucket".into(),
                 ..Default::default()
             },
+            keep_cache: false,
         }
     }
 

@@ -20,6 +20,8 @@ pub struct MemClient {
     upload_meta: Mutex<HashMap<String, UserMeta>>,
     /// Times a metadata replacement was asked for (tests check coalescing with it).
     meta_replacements: std::sync::atomic::AtomicU64,
+    /// Ranged GETs answered.
+    gets: std::sync::atomic::AtomicU64,
 }
 
 impl MemClient {
@@ -66,6 +68,9 @@ impl MemClient {
     pub fn metadata_requests(&self) -> u64 {
         self.metadata_requests
             .load(std::sync::atomic::Ordering::SeqCst)
+    }
+    pub fn gets(&self) -> u64 {
+        self.gets.load(std::sync::atomic::Ordering::SeqCst)
     }
     pub fn bytes_received(&self) -> u64 {
         self.bytes_received
@@ -184,6 +189,7 @@ impl ObjectClient for MemClient {
     }
 
     async fn get_range(&self, key: &str, start: u64, end: u64) -> S3Result<Bytes> {
+        self.gets.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let objs = self.objects.lock().unwrap();
         let (body, _) = objs.get(key).ok_or(S3Error::NotFound)?;
         let end = end.min(body.len() as u64) as usize;

@@ -206,6 +206,12 @@ def test_typo_values_fail_the_schema() -> None:
         {"controller": {"enabled": "false"}},
         {"controller": {"enabled": None}},
         {"controller": {"enable": False}},
+        {"cache": {"size": "lots"}},
+        {"cache": {"size": 20}},
+        {"cache": {"keep": "yes"}},
+        {"cache": {"sise": "1GiB"}},
+        {"storageClasses": [{"name": "x", "bucket": "b-1", "cacheSize": "1 TB"}]},
+        {"storageClasses": [{"name": "x", "bucket": "b-1", "keepCache": "true"}]},
     ],
     ids=lambda b: json.dumps(b, sort_keys=True),
 )
@@ -1142,6 +1148,12 @@ def test_one_storage_class_per_entry(case) -> None:
                 expected[key] = entry[key]
         if "forcePathStyle" in entry:
             expected["forcePathStyle"] = "true" if entry["forcePathStyle"] else "false"
+        cache = values.get("cache", {})
+        size = entry.get("cacheSize", cache.get("size", ""))
+        if size:
+            expected["cacheSize"] = str(size)
+        if entry.get("keepCache", cache.get("keep", False)):
+            expected["keepCache"] = "true"
         if "secretRef" in entry:
             ref = entry["secretRef"]
             ns = ref.get("namespace", NAMESPACE)
@@ -1284,6 +1296,23 @@ def test_node_only_install_refuses_storage_classes(kube_version: str | None) -> 
     render_chart({**values, "controller": {"enabled": True}}, kube_version=kube_version)
     render_chart({"controller": {"enabled": False}, "storageClasses": []},
                  kube_version=kube_version)
+
+
+def test_storage_classes_carry_the_cache_defaults_unless_they_set_their_own() -> None:
+    values = {"cache": {"size": "20GiB", "keep": True},
+              "storageClasses": [{"name": "a", "bucket": "bucket-a"},
+                                 {"name": "b", "bucket": "bucket-b", "cacheSize": "0",
+                                  "keepCache": False},
+                                 {"name": "c", "bucket": "bucket-c", "cacheSize": "5GiB"}]}
+    classes = {sc["metadata"]["name"]: sc["parameters"]
+               for sc in find(render_objects(values), "StorageClass")}
+    assert classes["a"]["cacheSize"] == "20GiB" and classes["a"]["keepCache"] == "true"
+    assert classes["b"]["cacheSize"] == "0" and "keepCache" not in classes["b"]
+    assert classes["c"]["cacheSize"] == "5GiB" and classes["c"]["keepCache"] == "true"
+    # Without chart defaults no class asks for a cache.
+    plain = find(render_objects({"storageClasses": [{"name": "a", "bucket": "bucket-a"}]}),
+                 "StorageClass")
+    assert "cacheSize" not in plain[0]["parameters"]
 
 
 def test_node_only_install_ignores_the_controller_service_account_settings() -> None:

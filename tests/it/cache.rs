@@ -245,3 +245,180 @@ fn a_cache_directory_that_cannot_be_used_leaves_a_working_mount() {
         .expect("mount must fail");
     assert!(err.contains("cache directory"), "{err}");
 }
+
+/// Reads all of `f` on another thread with the mounter stopped: only a passthrough
+/// descriptor (the kernel reads the cache file by itself) can answer. The mounter is
+/// continued in any case, so a failing test does not leave a hung mount.
+fn read_with_mounter_stopped(pid: u32, mut f: fs::File) -> Option<Vec<u8>> {
+    use std::io::Read;
+    unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        // Plain reads: `read_to_end` would fstat first, and attributes are the mounter's.
+        let mut out = Vec::new();
+        let mut buf = vec![0u8; 256 * 1024];
+        let r = loop {
+            match f.read(&mut buf) {
+                Ok(0) => break Ok(out),
+                Ok(n) => out.extend_from_slice(&buf[..n]),
+                Err(e) => break Err(e),
+            }
+        };
+        let _ = tx.send(r);
+    });
+    let got = rx.recv_timeout(Duration::from_secs(5));
+    unsafe { libc::kill(pid as i32, libc::SIGCONT) };
+    match got {
+        Ok(r) => Some(r.unwrap()),
+        Err(_) => None,
+    }
+}
+
+/// Reads `f` once so that all of it is cached, then waits until the reads' handles are
+/// released (the kernel releases asynchronously): only then may an open pass through.
+fn cache_wholly(m: &Mount, cache: &Path, name: &str, bytes: u64) {
+    let _ = fs::read(m.path(name));
+    wait_cached_after(cache, bytes, &|| {
+        let _ = fs::read(m.path(name));
+    });
+    std::thread::sleep(Duration::from_millis(300));
+}
+
+#[test]
+fn wholly_cached_files_are_read_by_the_kernel_itself() {
+    let bucket = new_bucket("cache-passthrough");
+    let mut rng = Rng::from_env("cache-passthrough", 5);
+    let v1 = rng.bytes(3 * MIB + 4321);
+    let v2 = rng.bytes(3 * MIB + 4321);
+    put(&bucket, "f", &v1);
+    let cache = scratch_dir("cache-passthrough");
+    let dir = cache.to_str().unwrap();
+    let ro = ["--cache-dir", dir, "--metadata-ttl", "1s", "--read-only"];
+    let m = Mount::start(&bucket, &ro);
+    let pid = m.child.as_ref().unwrap().id();
+    cache_wholly(&m, &cache, "f", v1.len() as u64);
+    // Opened once the version is wholly cached: its reads never reach the mounter.
+    let old = fs::File::open(m.path("f")).unwrap();
+    let again = fs::File::open(m.path("f")).unwrap();
+    let got = read_with_mounter_stopped(pid, again)
+        .unwrap_or_else(|| panic!("the read waited for the mounter: {}", m.log_text()));
+    assert!(got == v1, "passthrough read other bytes");
+    // Replaced in S3 while `old` is open: opens meanwhile share its backing file (the
+    // kernel's rule), so they read the version it holds, whole.
+    put(&bucket, "f", &v2);
+    std::thread::sleep(Duration::from_millis(1200));
+    assert!(
+        fs::read(m.path("f")).unwrap() == v1,
+        "a pinned open read other bytes"
+    );
+    let got = read_with_mounter_stopped(pid, old).expect("the old descriptor lost passthrough");
+    assert!(got == v1, "an open descriptor changed version");
+    // Once the last of them is closed, the next open reads the new version.
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        fs::read(m.path("f")).unwrap() == v2,
+        "the old version outlived its opens"
+    );
+    cache_wholly(&m, &cache, "f", (v1.len() + v2.len()) as u64);
+    let f = fs::File::open(m.path("f")).unwrap();
+    let got = read_with_mounter_stopped(pid, f).expect("the new version was not passed through");
+    assert!(got == v2);
+    // mmap of such a file reads the cache file too.
+    let f = fs::File::open(m.path("f")).unwrap();
+    let len = v2.len();
+    let map = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            std::os::fd::AsRawFd::as_raw_fd(&f),
+            0,
+        )
+    };
+    assert_ne!(map, libc::MAP_FAILED, "{}", std::io::Error::last_os_error());
+    let mapped = unsafe { std::slice::from_raw_parts(map as *const u8, len) }.to_vec();
+    unsafe { libc::munmap(map, len) };
+    assert!(mapped == v2, "mmap of a passthrough file");
+    drop(f);
+    drop(m);
+
+    // --passthrough off: the same reads go through the mounter, from the cache.
+    let m = Mount::start(
+        &bucket,
+        &["--cache-dir", dir, "--read-only", "--passthrough", "off"],
+    );
+    let pid = m.child.as_ref().unwrap().id();
+    let f = fs::File::open(m.path("f")).unwrap();
+    assert!(
+        read_with_mounter_stopped(pid, f).is_none(),
+        "off passed through"
+    );
+    assert!(fs::read(m.path("f")).unwrap() == v2);
+    drop(m);
+
+    // A writable mount passes through only with --passthrough always, and an open for
+    // writing of a file read that way is refused (ETXTBSY) until its last reader closes.
+    let m = Mount::start(&bucket, &["--cache-dir", dir]);
+    let pid = m.child.as_ref().unwrap().id();
+    let f = fs::File::open(m.path("f")).unwrap();
+    assert!(
+        read_with_mounter_stopped(pid, f).is_none(),
+        "a writable mount passed through"
+    );
+    drop(m);
+    let m = Mount::start(&bucket, &["--cache-dir", dir, "--passthrough", "always"]);
+    let pid = m.child.as_ref().unwrap().id();
+    let reader = fs::File::open(m.path("f")).unwrap();
+    let err = fs::OpenOptions::new()
+        .write(true)
+        .open(m.path("f"))
+        .expect_err("a writer opened a file read in passthrough");
+    assert_eq!(err.raw_os_error(), Some(libc::ETXTBSY), "{err}");
+    let got = read_with_mounter_stopped(pid, reader).expect("always did not pass through");
+    assert!(got == v2);
+    std::thread::sleep(Duration::from_millis(300));
+    fs::write(m.path("f"), b"written after the readers").unwrap();
+    assert_eq!(fs::read(m.path("f")).unwrap(), b"written after the readers");
+}
+
+#[test]
+fn files_written_through_the_mount_are_read_back_without_a_get() {
+    use std::io::{Seek, SeekFrom, Write};
+    let bucket = new_bucket("cache-written");
+    let mut rng = Rng::from_env("cache-written", 6);
+    let small = rng.bytes(3000);
+    let large = rng.bytes(12 * MIB + 555);
+    let cache = scratch_dir("cache-written");
+    let (proxy, gets) = counting_gets();
+    let args = ["--cache-dir", cache.to_str().unwrap()];
+    let m = Mount::try_start_with(&proxy.endpoint(), &bucket, &args, &[]).unwrap();
+    fs::write(m.path("small"), &small).unwrap();
+    fs::write(m.path("large"), &large).unwrap();
+    // An edit in place of a small file: its staged copy holds all of it.
+    let mut edited = small.clone();
+    edited[1000..1004].copy_from_slice(b"EDIT");
+    {
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .open(m.path("small"))
+            .unwrap();
+        f.seek(SeekFrom::Start(1000)).unwrap();
+        f.write_all(b"EDIT").unwrap();
+    }
+    let first = gets.load(Ordering::SeqCst);
+    wait_cached(&cache, (large.len() + 2 * small.len()) as u64);
+    assert!(fs::read(m.path("large")).unwrap() == large);
+    assert_eq!(fs::read(m.path("small")).unwrap(), edited);
+    assert_eq!(
+        gets.load(Ordering::SeqCst),
+        first,
+        "reading back what was written sent GETs"
+    );
+    // What S3 has is what was written: the cache did not stand in for it.
+    let rt = runtime();
+    let c = client(&bucket);
+    let whole = |k: &str, n: usize| rt.block_on(c.get_range(k, 0, n as u64)).unwrap();
+    assert!(whole("large", large.len()) == large);
+    assert_eq!(whole("small", small.len()), edited);
+}

@@ -1467,3 +1467,95 @@ async fn unpublish_of_a_busy_mount_detaches_it_without_waiting() {
         started.elapsed()
     );
 }
+
+/// Bytes of cached blocks under `dir` (any depth), and how many such files.
+fn cached_blocks(dir: &Path) -> u64 {
+    let mut total = 0;
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.is_dir() && !p.is_symlink() {
+                total += cached_blocks(&p);
+            } else if p.extension().is_some_and(|x| x == "blocks") {
+                total += e.metadata().map(|m| m.blocks() * 512).unwrap_or(0);
+            }
+        }
+    }
+    total
+}
+
+/// `cacheSize` gives a volume a data cache in its mount's directory, deleted at unpublish;
+/// with `keepCache` it lives beside the node's state and the next publish reads it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn volume_data_caches_are_sized_by_attribute_and_kept_when_asked() {
+    let server = start(Mode::Node);
+    let bucket = new_bucket("csi-cache");
+    let client = s3_client(&bucket).await;
+    let body: Vec<u8> = (0..3 * 1024 * 1024 + 77u32)
+        .map(|i| (i % 241) as u8)
+        .collect();
+    client.put_object("f", body.clone().into()).await.unwrap();
+    let mut node = server.node().await;
+    let state = server.dir().join("state");
+    let publish = |target: &Path, keep: bool| {
+        let mut req = publish_req(&bucket, target);
+        req.volume_context
+            .insert("cacheSize".into(), "64MiB".into());
+        if keep {
+            req.volume_context.insert("keepCache".into(), "true".into());
+        }
+        req
+    };
+    let read_until_cached = |target: &Path, under: &Path| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            assert!(std::fs::read(target.join("f")).unwrap() == body);
+            if cached_blocks(under) >= body.len() as u64 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "nothing was cached");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    // Without keepCache: cached in the mount's directory, gone with the unpublish.
+    let target = server.target("pod1");
+    node.node_publish_volume(publish(&target, false))
+        .await
+        .unwrap();
+    read_until_cached(&target, &state.join("handoff"));
+    node.node_unpublish_volume(unpublish_req(&bucket, &target))
+        .await
+        .unwrap();
+    assert_eq!(cached_blocks(&state), 0, "the cache outlived its volume");
+    // With keepCache: kept in STATE/cache/<volume>, and found by the next publish.
+    node.node_publish_volume(publish(&target, true))
+        .await
+        .unwrap();
+    read_until_cached(&target, &state.join("cache"));
+    node.node_unpublish_volume(unpublish_req(&bucket, &target))
+        .await
+        .unwrap();
+    let kept = cached_blocks(&state.join("cache"));
+    assert!(kept >= body.len() as u64, "the kept cache was deleted");
+    let target2 = server.target("pod2");
+    node.node_publish_volume(publish(&target2, true))
+        .await
+        .unwrap();
+    assert!(std::fs::read(target2.join("f")).unwrap() == body);
+    let logs = std::fs::read_dir(state.join("logs"))
+        .unwrap()
+        .flatten()
+        .map(|e| read(&e.path()))
+        .collect::<String>();
+    assert!(logs.contains("data cache found"), "{logs}");
+    node.node_unpublish_volume(unpublish_req(&bucket, &target2))
+        .await
+        .unwrap();
+    assert_eq!(cached_blocks(&state.join("cache")), kept);
+    // A bad size is the publish's InvalidArgument.
+    let mut bad = publish(&target, false);
+    bad.volume_context.insert("cacheSize".into(), "lots".into());
+    let err = node.node_publish_volume(bad).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("cacheSize"), "{err:?}");
+}
