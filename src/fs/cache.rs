@@ -32,6 +32,8 @@ pub const BLOCK: u64 = 1024 * 1024;
 /// Fetched bytes waiting for the writer thread (their memory is held meanwhile); past
 /// this, new ones are dropped.
 const WRITE_QUEUE_BYTES: u64 = 64 * 1024 * 1024;
+/// Of those, what uploads may hold until S3 names their version: the rest stays for reads.
+const HELD_FOR_WRITES: u64 = WRITE_QUEUE_BYTES / 2;
 /// The writer thread's nice value where SCHED_IDLE is refused (see `write_blocks`).
 const WRITER_NICE: i32 = 19;
 /// An index record: block number, length, CRC-32 of the bytes, CRC-32 of those 12 bytes.
@@ -108,6 +110,8 @@ pub struct DataCache {
     queue: SyncSender<Job>,
     /// Bytes in `queue`.
     queued: AtomicU64,
+    /// Bytes uploads hold for the cache (see `hold`).
+    held: AtomicU64,
     pub stats: CacheStats,
     /// Held while this process uses the directory.
     _lock: File,
@@ -216,7 +220,8 @@ impl Entry {
     /// A read-only descriptor of the data file, if every block is cached and checked:
     /// what the kernel may read the whole version from by itself (FUSE passthrough). The
     /// file is only ever unlinked while open (eviction), never rewritten, so what it
-    /// reads stays this version's bytes.
+    /// reads stays this version's bytes. Reads the blocks a predecessor wrote to check
+    /// them: call it off the async workers.
     pub fn backing_file(&self, cache: &DataCache) -> Option<File> {
         if self.dead.load(Ordering::Relaxed) {
             return None;
@@ -238,7 +243,11 @@ impl Entry {
         if !self.verify(cache, data, unverified) {
             return None;
         }
-        let file = File::open(cache.dir.join(format!("{}.blocks", self.name))).ok()?;
+        // The descriptor this entry holds, opened again read-only: its path may already
+        // name another entry's file (evicted, and the version cached afresh), its inode
+        // cannot.
+        let fd = std::os::fd::AsRawFd::as_raw_fd(data);
+        let file = File::open(format!("/proc/self/fd/{fd}")).ok()?;
         drop(files);
         cache.touch(self);
         cache
@@ -300,6 +309,7 @@ impl DataCache {
             }),
             queue,
             queued: AtomicU64::new(0),
+            held: AtomicU64::new(0),
             stats: CacheStats::default(),
             _lock: lock_file,
         });
@@ -376,19 +386,20 @@ impl DataCache {
         }
     }
 
-    /// Takes `len` bytes of the write queue's allowance for data held until it can be
-    /// offered (an upload's parts, until S3 names the version they make); false when the
-    /// allowance is used up. [`Self::unhold`] gives it back.
+    /// Takes `len` bytes of an allowance for data held until it can be offered (an
+    /// upload's parts, until S3 names the version they make): half the write queue's, so
+    /// that long uploads never leave reads without room; false when it is used up.
+    /// [`Self::unhold`] gives it back.
     pub fn hold(&self, len: u64) -> bool {
-        if self.queued.fetch_add(len, Ordering::Relaxed) + len > WRITE_QUEUE_BYTES {
-            self.queued.fetch_sub(len, Ordering::Relaxed);
+        if self.held.fetch_add(len, Ordering::Relaxed) + len > HELD_FOR_WRITES {
+            self.held.fetch_sub(len, Ordering::Relaxed);
             return false;
         }
         true
     }
 
     pub fn unhold(&self, len: u64) {
-        self.queued.fetch_sub(len, Ordering::Relaxed);
+        self.held.fetch_sub(len, Ordering::Relaxed);
     }
 
     /// What an upload wrote, now version `etag` of `key` (`size` bytes): the pieces

@@ -455,7 +455,7 @@ impl Filesystem for FuseAdapter {
         let mode = open_mode(flags.0);
         let backing = self.backing.clone();
         self.rt.spawn(async move {
-            if !backing.enabled() {
+            if !backing.negotiated() {
                 return match fs.open(ino.0, mode).await {
                     Ok(fh) => reply.opened(FileHandle(fh), file_flags),
                     Err(e) => reply.error(errno(&e)),
@@ -466,6 +466,11 @@ impl Filesystem for FuseAdapter {
                 return reply.error(Errno::from_i32(libc::ETXTBSY));
             }
             let opened = fs.open(ino.0, mode).await;
+            // Found (and checked) before the table is taken: that may read the whole file.
+            let file = match &opened {
+                Ok(fh) if !mode.write && backing.entering() => fs.backing_file(*fh).await,
+                _ => None,
+            };
             let mut t = backing.lock().await;
             if mode.write {
                 BackingTable::writer_opened(&mut t, ino.0);
@@ -478,16 +483,11 @@ impl Filesystem for FuseAdapter {
                 if let Some(id) = t.join(ino.0, fh) {
                     return reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &id);
                 }
-                if t.may_enter(ino.0) {
-                    if let Some(file) = fs.backing_file(fh).await {
-                        let register = |f: &std::fs::File| reply.open_backing(f);
-                        if let Some(id) = t.enter(&backing, ino.0, fh, &file, register) {
-                            return reply.opened_passthrough(
-                                FileHandle(fh),
-                                FopenFlags::empty(),
-                                &id,
-                            );
-                        }
+                // Still the inode's only handle: no other open decided meanwhile.
+                if let Some(file) = file.filter(|_| t.may_enter(ino.0) && fs.sole_handle(fh)) {
+                    let register = |f: &std::fs::File| reply.open_backing(f);
+                    if let Some(id) = t.enter(&backing, ino.0, fh, &file, register) {
+                        return reply.opened_passthrough(FileHandle(fh), FopenFlags::empty(), &id);
                     }
                 }
             }
@@ -511,11 +511,12 @@ impl Filesystem for FuseAdapter {
         let who = creator(req);
         let backing = self.backing.clone();
         self.rt.spawn(async move {
-            // A create of a name that exists opens that file for writing (see `open`).
+            // A create of a name that exists opens that file (see `open`): as a writer,
+            // since the reply cannot name a backing file. O_EXCL fails on it anyway.
             let existing = utf8(&name)
                 .ok()
                 .and_then(|n| fs.child_ino(parent.0, n))
-                .filter(|_| backing.enabled());
+                .filter(|_| backing.negotiated() && !open_mode(flags).exclusive);
             if let Some(ino) = existing {
                 if !backing.writer_opening(ino).await {
                     return reply.error(Errno::from_i32(libc::ETXTBSY));

@@ -169,26 +169,39 @@ impl S3Fs {
     /// `passthrough.rs`), and the kernel refuses it beside a descriptor that could use the
     /// page cache (a shared mmap).
     pub async fn backing_file(&self, fh: u64) -> Option<std::fs::File> {
-        if !self.cfg.passthrough {
+        if !self.cfg.passthrough || !self.sole_handle(fh) {
             return None;
         }
-        let file = self.file_handle(fh).ok()?;
-        let f = file.lock().await;
-        let FileState::Read(p) = &f.state else {
-            return None;
-        };
-        if f.writable {
-            return None;
-        }
-        {
-            let t = self.inodes();
-            let i = t.get(f.ino)?;
-            if i.writer.is_some() || i.open_handles != 1 {
+        let (cache, entry) = {
+            let file = self.file_handle(fh).ok()?;
+            let f = file.lock().await;
+            let FileState::Read(p) = &f.state else {
+                return None;
+            };
+            if f.writable {
                 return None;
             }
-        }
-        let (cache, entry) = p.cached()?;
-        entry.backing_file(cache)
+            let (cache, entry) = p.cached()?;
+            (cache.clone(), entry.clone())
+        };
+        // Checking blocks a predecessor wrote reads them: not on an async worker.
+        tokio::task::spawn_blocking(move || entry.backing_file(&cache))
+            .await
+            .ok()
+            .flatten()
+    }
+
+    /// Whether `fh` is the only open handle of its inode, and no writer is on it.
+    pub fn sole_handle(&self, fh: u64) -> bool {
+        let Some(Handle::File(file)) = self.handle(fh) else {
+            return false;
+        };
+        let Ok(f) = file.try_lock() else {
+            return false;
+        };
+        let t = self.inodes();
+        t.get(f.ino)
+            .is_some_and(|i| i.writer.is_none() && i.open_handles == 1)
     }
 
     /// A reader of the version of `i` this mount knows (key + ETag), `size` bytes long.

@@ -31,20 +31,30 @@ pub struct Table {
 
 pub struct BackingTable {
     table: tokio::sync::Mutex<Table>,
-    /// Negotiated at INIT and not refused since.
-    enabled: AtomicBool,
+    /// Negotiated at INIT: opens must consult the table.
+    negotiated: bool,
+    /// New inodes may enter passthrough: negotiated, and not refused by the kernel since.
+    entering: AtomicBool,
 }
 
 impl BackingTable {
     pub fn new(enabled: bool) -> Self {
         Self {
             table: tokio::sync::Mutex::default(),
-            enabled: AtomicBool::new(enabled),
+            negotiated: enabled,
+            entering: AtomicBool::new(enabled),
         }
     }
 
-    pub fn enabled(&self) -> bool {
-        self.enabled.load(Ordering::Relaxed)
+    /// Whether opens must go through the table: even after the kernel refused a backing
+    /// file, inodes that entered passthrough before still need their id.
+    pub fn negotiated(&self) -> bool {
+        self.negotiated
+    }
+
+    /// Whether an inode may enter passthrough now.
+    pub fn entering(&self) -> bool {
+        self.entering.load(Ordering::Relaxed)
     }
 
     /// Held while an open decides how it opens and sends its reply, so that no other
@@ -130,7 +140,7 @@ impl Table {
                 Some(id)
             }
             Err(e) => {
-                if owner.enabled.swap(false, Ordering::Relaxed) {
+                if owner.entering.swap(false, Ordering::Relaxed) {
                     tracing::warn!(error = %e,
                         "the kernel refused a passthrough backing file (the mounter needs \
                          CAP_SYS_ADMIN, and the cache directory must not be on a stacked \
