@@ -88,6 +88,8 @@ pub struct Entry {
     tick: AtomicU64,
     /// Evicted or dropped: serves and keeps nothing more.
     dead: AtomicBool,
+    /// A background fill of the blocks reads did not keep is running (see `backfill`).
+    filling: AtomicBool,
 }
 
 struct State {
@@ -257,6 +259,14 @@ impl Entry {
         Some(file)
     }
 
+    /// Blocks not cached (dropped while the writer was behind, or never read).
+    fn missing(&self) -> Vec<usize> {
+        let blocks = lock(&self.blocks);
+        (0..blocks.len())
+            .filter(|b| blocks[*b] == Block::Absent)
+            .collect()
+    }
+
     /// Whether every block is cached (and none still waits for its check).
     pub fn is_complete(&self) -> bool {
         !self.dead.load(Ordering::Relaxed) && lock(&self.blocks).iter().all(|b| *b == Block::Good)
@@ -365,6 +375,7 @@ impl DataCache {
             bytes: AtomicU64::new(0),
             tick: AtomicU64::new(0),
             dead: AtomicBool::new(false),
+            filling: AtomicBool::new(false),
         });
         st.names.insert(name, id.clone());
         st.entries.insert(id, e.clone());
@@ -454,6 +465,58 @@ impl DataCache {
             self.queued.fetch_sub(len, Ordering::Relaxed);
             self.stats.dropped.fetch_add(blocks, Ordering::Relaxed);
         }
+    }
+
+    /// A reader read `e` to its end, but not every block was kept (the writer thread
+    /// runs on idle CPU only and drops what it cannot keep up with, so a fast first read
+    /// leaves gaps): the missing blocks are fetched again in the background, at most 8 MiB
+    /// at a time and only while the write queue has room, so that the next read is served
+    /// wholly from the cache (and may pass through). Costs GETs only for those blocks.
+    pub fn backfill(self: &Arc<Self>, e: &Arc<Entry>, client: Arc<dyn crate::s3::ObjectClient>) {
+        if e.dead.load(Ordering::Relaxed) || e.filling.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            e.filling.store(false, Ordering::Relaxed);
+            return;
+        };
+        let (cache, e) = (self.clone(), e.clone());
+        rt.spawn(async move {
+            // What is still queued is not missing: let the writer catch up first.
+            for _ in 0..500 {
+                if cache.queued.load(Ordering::Relaxed) == 0 {
+                    break;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            let mut runs: Vec<(usize, usize)> = Vec::new();
+            for b in e.missing() {
+                match runs.last_mut() {
+                    Some(r) if r.1 == b && r.1 - r.0 < 8 => r.1 += 1,
+                    _ => runs.push((b, b + 1)),
+                }
+            }
+            for (first, last) in runs {
+                // Room in the queue first: reads come before the fill.
+                let mut waited = 0;
+                while cache.queued.load(Ordering::Relaxed) > WRITE_QUEUE_BYTES / 2 {
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                    waited += 1;
+                    if waited > 3000 || e.dead.load(Ordering::Relaxed) {
+                        e.filling.store(false, Ordering::Relaxed);
+                        return;
+                    }
+                }
+                let start = first as u64 * BLOCK;
+                let end = (last as u64 * BLOCK).min(e.size);
+                match client.get_range_if_match(&e.key, &e.etag, start, end).await {
+                    Ok(body) if body.len() as u64 == end - start => cache.offer(&e, start, body),
+                    // Replaced in S3, or failing: the entry stays as it is.
+                    _ => break,
+                }
+            }
+            e.filling.store(false, Ordering::Relaxed);
+        });
     }
 
     fn touch(&self, e: &Entry) {
@@ -759,6 +822,7 @@ impl DataCache {
             bytes: AtomicU64::new(bytes),
             tick: AtomicU64::new(0),
             dead: AtomicBool::new(false),
+            filling: AtomicBool::new(false),
         });
         Ok(Some((mtime, e)))
     }

@@ -137,6 +137,8 @@ pub struct Prefetcher {
     /// This version's entry in the data cache: reads it holds need no GET, and what
     /// GETs bring back is offered to it.
     cache: Option<CachedVersion>,
+    /// Every read so far continued the previous one from offset 0: a whole-file reader.
+    in_order_from_start: bool,
     /// `--cache-memory`: what random reads fetched, shared by every handle.
     memory: Option<Arc<MemoryCache>>,
 }
@@ -144,10 +146,17 @@ pub struct Prefetcher {
 struct CachedVersion {
     cache: Arc<DataCache>,
     entry: Arc<Entry>,
+    /// Read to its end: at the close, what the cache did not keep is fetched again.
+    backfill: Option<Arc<dyn ObjectClient>>,
 }
 
 impl Drop for CachedVersion {
     fn drop(&mut self) {
+        if let Some(client) = self.backfill.take() {
+            if !self.entry.is_complete() {
+                self.cache.backfill(&self.entry, client);
+            }
+        }
         self.cache.release(&self.entry);
     }
 }
@@ -180,6 +189,7 @@ impl Prefetcher {
             random_block: None,
             requests: 0,
             cache: None,
+            in_order_from_start: true,
             memory: None,
         }
     }
@@ -193,6 +203,7 @@ impl Prefetcher {
                 .map(|entry| CachedVersion {
                     cache: cache.clone(),
                     entry,
+                    backfill: None,
                 });
         }
         self
@@ -222,7 +233,15 @@ impl Prefetcher {
             return Ok(Bytes::new());
         }
         let end = (offset + len as u64).min(self.size);
-        if let Some(c) = &self.cache {
+        if self.last_end != Some(offset) && !(self.last_end.is_none() && offset == 0) {
+            self.in_order_from_start = false;
+        }
+        if let Some(c) = &mut self.cache {
+            // Only a reader of the whole file asks for the rest: a footer read must not
+            // fetch the object.
+            if end == self.size && self.in_order_from_start && c.backfill.is_none() {
+                c.backfill = Some(self.client.clone());
+            }
             if let Some(hit) = c.entry.read(&c.cache, offset, end) {
                 self.last_end = Some(end);
                 return Ok(hit);
