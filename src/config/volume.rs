@@ -215,7 +215,6 @@ impl S3Location {
     }
 }
 
-/// Parsed volume context (PV `volumeAttributes` or CreateVolume's `volume_context`).
 /// A volume's data cache on the node (`cacheSize`, `keepCache`), as a StorageClass or a
 /// PV's attributes ask for it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -254,6 +253,7 @@ impl CacheRequest {
     }
 }
 
+/// Parsed volume context (PV `volumeAttributes` or CreateVolume's `volume_context`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct VolumeContext {
     pub bucket: Option<String>,

@@ -21,9 +21,9 @@ pub struct FuseAdapter {
     rt: Handle,
     /// What `open` and `create` tell the kernel about a file's data; decided at INIT.
     file_flags: FopenFlags,
-    /// Set for a replacement mounter: what the connection it takes over negotiated (the
-    /// replayed INIT cannot change it).
-    inherited: Option<Negotiated>,
+    /// Set for a replacement mounter: whether the connection it takes over negotiated
+    /// FUSE_DIRECT_IO_ALLOW_MMAP (the replayed INIT cannot change what was negotiated).
+    inherited_mmap_with_direct_io: Option<bool>,
     /// Files the kernel reads from the data cache by itself (FUSE passthrough).
     backing: Arc<BackingTable>,
     /// A mounter a replacement may take over (CSI): no passthrough, since the kernel
@@ -32,38 +32,13 @@ pub struct FuseAdapter {
     replaceable: bool,
 }
 
-/// What a connection's FUSE_INIT reply enabled, of what the data path depends on.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Negotiated {
-    /// FUSE_DIRECT_IO_ALLOW_MMAP: MAP_SHARED works on direct-I/O files.
-    pub mmap_with_direct_io: bool,
-}
-
-impl Negotiated {
-    /// Read off a saved FUSE_INIT reply (out header + fuse_init_out): the bit lives in
-    /// `flags2` (bytes 48..52).
-    pub fn of_init_reply(reply: &[u8]) -> Self {
-        let word = |at: usize| {
-            reply
-                .get(at..at + 4)
-                .map_or(0, |b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
-        };
-        const FLAGS2: usize = 16 + 32;
-        let high = |f: InitFlags| (f.bits() >> 32) as u32;
-        let flags2 = word(FLAGS2);
-        Self {
-            mmap_with_direct_io: flags2 & high(InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP) != 0,
-        }
-    }
-}
-
 impl FuseAdapter {
     pub fn new(fs: Arc<S3Fs>, rt: Handle) -> Self {
         Self {
             fs,
             rt,
             file_flags: FopenFlags::empty(),
-            inherited: None,
+            inherited_mmap_with_direct_io: None,
             backing: Arc::new(BackingTable::new(false)),
             replaceable: false,
         }
@@ -75,11 +50,23 @@ impl FuseAdapter {
         self
     }
 
-    /// For a mounter that takes over a connection the first mounter negotiated.
-    pub fn taking_over(mut self, negotiated: Negotiated) -> Self {
-        self.inherited = Some(negotiated);
+    /// For a mounter that takes over a connection: `negotiated` says whether the first
+    /// mounter's INIT reply enabled MAP_SHARED on direct-I/O files.
+    pub fn taking_over(mut self, negotiated: bool) -> Self {
+        self.inherited_mmap_with_direct_io = Some(negotiated);
         self
     }
+}
+
+/// Does this FUSE_INIT reply (out header + fuse_init_out) enable
+/// FUSE_DIRECT_IO_ALLOW_MMAP? That bit lives in `flags2`, bytes 48..52.
+pub fn init_reply_allows_direct_io_mmap(reply: &[u8]) -> bool {
+    const FLAGS2: usize = 16 + 32;
+    let bit = (InitFlags::FUSE_DIRECT_IO_ALLOW_MMAP.bits() >> 32) as u32;
+    reply
+        .get(FLAGS2..FLAGS2 + 4)
+        .map(|b| u32::from_ne_bytes([b[0], b[1], b[2], b[3]]) & bit != 0)
+        .unwrap_or(false)
 }
 
 fn errno(e: &FsError) -> Errno {
@@ -180,9 +167,7 @@ impl Filesystem for FuseAdapter {
             .is_ok();
         // A replacement mounter's answer to the replayed INIT goes nowhere: what counts is
         // what the first mounter negotiated.
-        let mmap_ok = self
-            .inherited
-            .map_or(kernel_allows, |n| n.mmap_with_direct_io);
+        let mmap_ok = self.inherited_mmap_with_direct_io.unwrap_or(kernel_allows);
         let fs_cfg = self.fs.config();
         let direct = !fs_cfg.page_cache && mmap_ok;
         self.file_flags = if direct {

@@ -173,8 +173,8 @@ pub fn serve_descriptor(
         // A mounter from before direct I/O saved no reply: its connection has no
         // FUSE_DIRECT_IO_ALLOW_MMAP, so direct I/O would break MAP_SHARED there.
         let negotiated = std::fs::read(reply_path)
-            .map(|r| super::fuse::Negotiated::of_init_reply(&r))
-            .unwrap_or_default();
+            .map(|r| super::fuse::init_reply_allows_direct_io_mmap(&r))
+            .unwrap_or(false);
         adapter = adapter.taking_over(negotiated);
     }
     let mut fuse_cfg = fuser::Config::default();

@@ -602,9 +602,9 @@ impl StagedFile {
         }
     }
 
-    /// The blocks of `block` bytes (the last one shorter) whose every byte is local, up to
-    /// `budget` bytes, read: what the data cache may keep of this content once committed.
-    /// Bytes above the fetch limit are local zeros.
+    /// The blocks of `block` bytes (the last one shorter) whose every byte is local, read,
+    /// for as long as `take` allows each one: what the data cache may keep of this content
+    /// once committed. Bytes above the fetch limit are local zeros.
     pub fn local_blocks(&self, block: u64, mut take: impl FnMut(u64) -> bool) -> Vec<(u64, Bytes)> {
         let mut out = Vec::new();
         let mut at = 0;
