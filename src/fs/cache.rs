@@ -36,6 +36,8 @@ const WRITE_QUEUE_BYTES: u64 = 64 * 1024 * 1024;
 const HELD_FOR_WRITES: u64 = WRITE_QUEUE_BYTES / 2;
 /// The writer thread's nice value where SCHED_IDLE is refused (see `write_blocks`).
 const WRITER_NICE: i32 = 19;
+/// What the writer thread hands the kernel at once (see `DataCache::write`).
+const WRITE_PIECE: usize = 64 * 1024;
 /// An index record: block number, length, CRC-32 of the bytes, CRC-32 of those 12 bytes.
 const RECORD: usize = 16;
 
@@ -621,7 +623,11 @@ impl DataCache {
                     self.stats.dropped.fetch_add(1, Ordering::Relaxed);
                     break;
                 }
-                data.write_all_at(bytes, b as u64 * BLOCK)?;
+                // In pieces: the kernel copies a piece without yielding, so a reader
+                // woken on this CPU waits for at most one piece, not a block.
+                for (i, piece) in bytes.chunks(WRITE_PIECE).enumerate() {
+                    data.write_all_at(piece, b as u64 * BLOCK + (i * WRITE_PIECE) as u64)?;
+                }
                 records.extend_from_slice(&record(b as u32, len as u32, crc32fast::hash(bytes)));
                 written.push((b, len as u64));
             }
