@@ -26,7 +26,7 @@ use crate::metrics::Metered;
 use crate::mounter::backend::MounterBackend;
 use crate::mounter::kernel::RealKernel;
 use crate::mounter::process::ProcessBackend;
-use crate::mounter::{MountManager, Timeouts};
+use crate::mounter::{MountManager, SharedMounts, Timeouts};
 use error::CsiError;
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -60,6 +60,12 @@ pub struct CsiArgs {
     /// Where mount records and mounter logs live (must survive a restart of the node service)
     #[arg(long, default_value = "/var/lib/s3csi")]
     pub state_dir: PathBuf,
+    /// Where a volume's one FUSE mount per node is made, which every pod's target
+    /// bind-mounts (one mounter per volume, options and credentials on each node). In a
+    /// container it must be below a Bidirectional mount (the chart uses the plugin's
+    /// directory under the kubelet's). Default: STATE_DIR/shared
+    #[arg(long, value_name = "DIR")]
+    pub shared_mounts_dir: Option<PathBuf>,
     /// Refuse target paths outside this directory (kubelet's root, e.g. /var/lib/kubelet)
     #[arg(long)]
     pub kubelet_dir: Option<PathBuf>,
@@ -330,8 +336,9 @@ pub async fn serve(
                 MountManager::logs_dir(&args.state_dir).map_err(state_error)?,
             )),
         };
-        let mounter = MountManager::new(
-            Arc::new(RealKernel),
+        let kernel: Arc<dyn crate::mounter::kernel::Kernel> = Arc::new(RealKernel);
+        let manager = MountManager::new(
+            kernel.clone(),
             backend,
             args.state_dir.clone(),
             Timeouts {
@@ -340,31 +347,62 @@ pub async fn serve(
             },
         )
         .map_err(state_error)?;
-        let adopted = mounter.recover();
+        let adopted = manager.recover();
         if adopted > 0 {
             tracing::info!(adopted, "adopted mounts from a previous run");
+        }
+        let manager = Arc::new(manager);
+        let shared_dir = args
+            .shared_mounts_dir
+            .clone()
+            .unwrap_or_else(|| args.state_dir.join("shared"));
+        let mounter = SharedMounts::new(
+            manager.clone(),
+            kernel,
+            shared_dir,
+            args.state_dir.join("shares"),
+        )
+        .map_err(state_error)?;
+        let targets = mounter.recover();
+        if targets > 0 {
+            tracing::info!(
+                targets,
+                "found the targets of shared mounts from a previous run"
+            );
         }
         if let Err(e) = mounter.reconcile().await {
             tracing::warn!(error = %e, "cannot clean up mounter pods; trying again at the next start");
         }
         let mounter = Arc::new(mounter);
-        let m = mounter.clone();
+        let m = manager.clone();
         registry.gauge(
             "s3csi_mounts",
             "Mounts the node service tracks (starting, serving or being unmounted).",
             move || m.mount_count() as u64,
         );
         let m = mounter.clone();
+        registry.gauge(
+            "s3csi_mounters",
+            "Mounters on this node: one per volume, options and credentials, whatever the number of pods using it.",
+            move || m.mounter_count() as u64,
+        );
+        let m = mounter.clone();
+        registry.gauge(
+            "s3csi_published_targets",
+            "Pod volume targets published on this node (each served by one of the mounters).",
+            move || m.target_count() as u64,
+        );
+        let m = manager.clone();
         registry.counter(
             "s3csi_mounter_replacements",
             "Mounter processes that died and were replaced while their mount was held.",
             move || m.replacements_total(),
         );
         // Each mounter's own metrics (S3 requests, bytes, open files), by volume.
-        let m = mounter.clone();
+        let m = manager.clone();
         registry.scrape_mounters(move || m.mounter_endpoints());
         // Replaces mounters that die while their mount is held.
-        mounter.start_supervisor();
+        manager.start_supervisor();
         let kubelet_dir = match &args.kubelet_dir {
             Some(d) => Some(
                 std::fs::canonicalize(d).map_err(|source| StartError::KubeletDir {

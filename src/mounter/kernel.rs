@@ -51,6 +51,9 @@ pub trait Kernel: Send + Sync + 'static {
     /// Opens `/dev/fuse` and mounts a `fuse.s3csi` file system served through it on
     /// `target`. The first request on the descriptor is the kernel's FUSE_INIT.
     fn mount_fuse(&self, target: &Path, how: &KernelMount) -> std::io::Result<OwnedFd>;
+    /// Bind-mounts the mount on `from` onto `to` (the same file system, the same FUSE
+    /// connection: one mounter serves both).
+    fn bind(&self, from: &Path, to: &Path) -> std::io::Result<()>;
     /// `umount2(target)`, with `MNT_DETACH` when `lazy`.
     fn unmount(&self, target: &Path, lazy: bool) -> std::io::Result<()>;
     /// The mount table, in mount order.
@@ -108,6 +111,12 @@ impl Kernel for RealKernel {
         )
         .map_err(std::io::Error::from)?;
         Ok(fd)
+    }
+
+    fn bind(&self, from: &Path, to: &Path) -> std::io::Result<()> {
+        use nix::mount::{mount, MsFlags};
+        mount(Some(from), to, None::<&str>, MsFlags::MS_BIND, None::<&str>)
+            .map_err(std::io::Error::from)
     }
 
     fn unmount(&self, target: &Path, lazy: bool) -> std::io::Result<()> {
@@ -255,6 +264,23 @@ impl Kernel for FakeKernel {
             health: FakeHealth::Serving,
         });
         Ok(ours.into())
+    }
+
+    fn bind(&self, from: &Path, to: &Path) -> std::io::Result<()> {
+        let mut mounts = self.lock();
+        let Some(m) = mounts.iter().rev().find(|m| m.entry.mount_point == from) else {
+            return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+        };
+        let bound = FakeMount {
+            entry: MountEntry {
+                mount_point: to.to_path_buf(),
+                ..m.entry.clone()
+            },
+            busy: false,
+            health: m.health,
+        };
+        mounts.push(bound);
+        Ok(())
     }
 
     fn unmount(&self, target: &Path, lazy: bool) -> std::io::Result<()> {

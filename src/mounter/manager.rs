@@ -63,7 +63,7 @@ impl Tracked {
 
 /// Creates `dir` (and its parents), readable by its owner only: mount records and mounter
 /// logs name volumes, buckets and paths.
-fn private_dir(dir: &Path) -> std::io::Result<()> {
+pub(super) fn private_dir(dir: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::create_dir_all(dir)?;
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
@@ -194,6 +194,16 @@ impl MountManager {
     /// being unmounted).
     pub fn mount_count(&self) -> usize {
         self.mounts.lock().unwrap().len()
+    }
+
+    /// Whether a mount on `target` is tracked (starting, serving, replaced or stopping).
+    pub fn tracks(&self, target: &Path) -> bool {
+        self.mounts.lock().unwrap().contains_key(target)
+    }
+
+    /// Where the tracked mounts are.
+    pub fn tracked_targets(&self) -> Vec<PathBuf> {
+        self.mounts.lock().unwrap().keys().cloned().collect()
     }
 
     /// (volume ID, handoff directory) of every mount whose mounter serves (not starting,
@@ -490,7 +500,7 @@ impl MountManager {
     /// `umount2`; while the mount is busy (a workload still has files open) it is tried
     /// again for [`BUSY_RETRY_FOR`], then detached lazily: its mounter is already gone, so
     /// nobody else would ever unmount it, and kubelet waits for us.
-    async fn unmount_or_detach(&self, target: &Path) -> Result<(), MountError> {
+    pub(super) async fn unmount_or_detach(&self, target: &Path) -> Result<(), MountError> {
         let until = Instant::now() + BUSY_RETRY_FOR;
         loop {
             match self.kernel.unmount(target, false) {

@@ -30,6 +30,7 @@ pub mod mountinfo;
 pub mod pod;
 pub mod pod_status;
 pub mod process;
+mod shared;
 pub mod state;
 mod supervisor;
 #[cfg(test)]
@@ -41,6 +42,7 @@ use std::time::Duration;
 
 pub use manager::MountManager;
 pub use mountinfo::MountEntry;
+pub use shared::SharedMounts;
 
 /// One mount to start.
 #[derive(Clone)]
@@ -60,6 +62,42 @@ pub struct MountRequest {
     /// The volume's data cache lives beside the node's state, not in the mount's handoff
     /// directory, and outlives its unpublish (`keepCache`; see `MountManager::keep_cache`).
     pub keep_cache: bool,
+}
+
+impl MountRequest {
+    /// What publishes must agree on to share one mounter (see [`shared`]): the volume, its
+    /// source, every mount option (the uid and gid fsGroup gives among them), how the
+    /// kernel mounts it (read-only-ness), whether its cache is kept, and the credentials.
+    /// A SHA-256 of all that, so that the name (a directory on the node) says nothing of
+    /// the credentials (the record beside the mount names the volume).
+    pub fn share_key(&self) -> String {
+        use sha2::Digest;
+        let mut h = sha2::Sha256::new();
+        let mut part = |b: &[u8]| {
+            h.update((b.len() as u64).to_le_bytes());
+            h.update(b);
+        };
+        part(self.volume_id.as_bytes());
+        part(self.source.as_bytes());
+        for a in &self.args {
+            part(a.as_bytes());
+        }
+        let k = &self.kernel;
+        part(k.fsname.as_bytes());
+        part(&[
+            k.read_only as u8,
+            k.allow_other as u8,
+            k.no_default_permissions as u8,
+            self.keep_cache as u8,
+        ]);
+        for (name, value) in &self.env {
+            part(name.as_bytes());
+            part(value.as_bytes());
+        }
+        let digest = h.finalize();
+        let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+        format!("v-{hex}")
+    }
 }
 
 impl std::fmt::Debug for MountRequest {

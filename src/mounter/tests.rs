@@ -507,3 +507,100 @@ fn failures_cross_the_handoff_directory_typed() {
     handoff::clear_failure(&dir.0);
     assert_eq!(handoff::read_failure(&dir.0), None);
 }
+
+#[test]
+fn publishes_share_a_mounter_only_when_everything_that_shapes_the_mount_agrees() {
+    let node = Node::new();
+    let a = node.request("a");
+    let mut b = a.clone();
+    b.target = node.target("b");
+    assert_eq!(a.share_key(), b.share_key(), "the target is not in the key");
+    let variants: [fn(&mut MountRequest); 6] = [
+        |r| r.volume_id = "vol-other".into(),
+        |r| r.source = "bucket:other".into(),
+        |r| r.args = vec!["--uid".into(), "2000".into()],
+        |r| r.kernel.read_only = true,
+        |r| r.keep_cache = true,
+        |r| r.env = vec![("AWS_SECRET_ACCESS_KEY", "another-secret".into())],
+    ];
+    for change in variants {
+        let mut other = a.clone();
+        change(&mut other);
+        assert_ne!(a.share_key(), other.share_key(), "{other:?}");
+    }
+    let key = a.share_key();
+    assert!(key.starts_with("v-") && key.len() == 18, "{key}");
+}
+
+fn shared(node: &Node, manager: &Arc<MountManager>) -> SharedMounts {
+    SharedMounts::new(
+        manager.clone(),
+        node.kernel.clone(),
+        node.scratch.0.join("shared"),
+        node.scratch.0.join("state/shares"),
+    )
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn targets_of_one_share_use_one_mounter_until_the_last_goes() {
+    let node = Node::new();
+    let shares = shared(&node, &node.manager);
+    let (a, b) = (node.target("a"), node.target("b"));
+    let mut req = node.request("a");
+    shares.mount(req.clone()).await.unwrap();
+    req.target = b.clone();
+    shares.mount(req.clone()).await.unwrap();
+    assert_eq!(node.backend.live().len(), 1);
+    assert_eq!((shares.mounter_count(), shares.target_count()), (1, 2));
+    for t in [&a, &b] {
+        assert!(node.kernel.find(t).is_some_and(|e| e.is_fuse()));
+        assert_eq!(shares.status(t).volume_id.as_deref(), Some("vol-a"));
+        assert_eq!(shares.status(t).problem, None);
+    }
+
+    // A restarted node service finds both targets of the adopted mounter.
+    let manager = Node::manager(&node.scratch, &node.kernel, &node.backend);
+    assert_eq!(manager.recover(), 1);
+    let shares = shared(&node, &manager);
+    assert_eq!(shares.recover(), 2);
+    shares.reconcile().await.unwrap();
+    assert_eq!(node.backend.live().len(), 1, "nothing stopped");
+
+    shares.unmount(&a).await.unwrap();
+    assert!(node.kernel.find(&a).is_none());
+    assert_eq!(shares.status(&b).problem, None);
+    assert_eq!(node.backend.live().len(), 1);
+    shares.unmount(&b).await.unwrap();
+    assert!(
+        node.kernel.mounts().is_empty(),
+        "{:?}",
+        node.kernel.mounts()
+    );
+    eventually("the mounter stops", || node.backend.live().is_empty()).await;
+    assert_eq!(shares.target_count(), 0);
+    assert!(std::fs::read_dir(node.scratch.0.join("state/shares"))
+        .unwrap()
+        .next()
+        .is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_mount_whose_targets_went_while_no_node_service_ran_is_stopped() {
+    let node = Node::new();
+    let shares = shared(&node, &node.manager);
+    let a = node.target("a");
+    shares.mount(node.request("a")).await.unwrap();
+    // The pod's bind goes (kubelet cleaned up) while the node service is down.
+    node.kernel.unmount(&a, false).unwrap();
+    let manager = Node::manager(&node.scratch, &node.kernel, &node.backend);
+    manager.recover();
+    let shares = shared(&node, &manager);
+    assert_eq!(shares.recover(), 0);
+    shares.reconcile().await.unwrap();
+    eventually("the unused mounter stops", || {
+        node.backend.live().is_empty()
+    })
+    .await;
+    assert!(node.kernel.mounts().is_empty());
+}

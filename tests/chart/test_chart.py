@@ -505,6 +505,12 @@ def test_node_devices_and_state(case) -> None:
     assert volumes["state-dir"]["hostPath"] == {"path": "/var/lib/s3csi", "type": "DirectoryOrCreate"}
     assert mount_of(s3csi, "state-dir")["mountPath"] == "/var/lib/s3csi"
     assert flag(s3csi["args"], "state-dir") == "/var/lib/s3csi"
+    # Shared mounts live under the kubelet directory, mounted Bidirectional: they reach the
+    # host, so a restarted node plugin (a new mount namespace) still finds them.
+    shared = flag(s3csi["args"], "shared-mounts-dir")
+    kubelet = mount_of(s3csi, "kubelet-dir")
+    assert kubelet["mountPropagation"] == "Bidirectional"
+    assert shared.startswith(kubelet["mountPath"] + "/plugins/"), shared
 
 
 def test_node_scheduling(case) -> None:

@@ -439,10 +439,34 @@ def test_7_non_root_pods(release: Release, s3: S3, provisioner: Any) -> None:
 
 
 # --- 8 ---------------------------------------------------------------------------------------
-@pytest.mark.skip(reason="needs mounter sharing (one mounter per volume per node) and "
-                  "pod-level credentials, which do not exist yet")
-def test_8_two_pods_share_a_mounter() -> None:
-    pass
+def test_8_two_pods_share_a_mounter(release: Release, s3: S3) -> None:
+    """Two pods of the static volume on the node: one mounter Pod serves both (the second
+    publish bind-mounts the first one's mount); it stays while either pod runs and goes
+    with the last."""
+    kube.apply([
+        workload("s8a", "static", f"echo from s8a > /data/s8.txt && cat /data/s8.txt && {IDLE}"),
+        workload("s8b", "static", f"{IDLE}"),
+    ])
+    t0 = time.monotonic()
+    running("s8a")
+    running("s8b")
+    timing("8. two pods of one volume Running", time.monotonic() - t0)
+    (mounter,) = mounter_pods()
+    assert exec_in("s8b", "cat /data/s8.txt") == "from s8a\n"
+    assert exec_in("s8b", "echo from s8b > /data/s8b.txt && cat /data/s8b.txt") == "from s8b\n"
+    assert exec_in("s8a", "cat /data/s8b.txt") == "from s8b\n"
+    pods = [get("pod", n, "default") for n in ("s8a", "s8b")]
+    volume_id = f"{BUCKET}/{STATIC_PREFIX.rstrip('/')}"
+    for pod in pods:
+        assert not volume_condition(volume_id, kube.csi_target(pod, STATIC_PV)).abnormal
+    print(f"[e2e] 8. s8a and s8b share the mounter pod {mounter['metadata']['name']}")
+    gone_after_delete("s8a", 10)
+    assert [p["metadata"]["name"] for p in mounter_pods()] == [mounter["metadata"]["name"]]
+    assert exec_in("s8b", "cat /data/s8.txt") == "from s8a\n"
+    gone_after_delete("s8b", 10)
+    t0 = time.monotonic()
+    wait_for(lambda: not any_mounter_pods(), 60, "the shared mounter pod deleted")
+    timing("8. the shared mounter pod gone after the last pod", time.monotonic() - t0)
 
 
 def test_9_nothing_left_on_the_node(release: Release) -> None:

@@ -1559,3 +1559,99 @@ async fn volume_data_caches_are_sized_by_attribute_and_kept_when_asked() {
     assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
     assert!(err.message().contains("cacheSize"), "{err:?}");
 }
+
+/// Pods of one volume on a node share one mounter: a second publish with the same volume,
+/// options and credentials bind-mounts the first one's mount (what one pod writes the
+/// other reads at once), a read-only publish gets a mounter of its own. Unpublishing one
+/// target leaves the other serving, a kill -9 of the shared mounter heals both targets
+/// at once, a restarted node service finds the targets again, and the last unpublish
+/// stops the mounter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pods_of_one_volume_share_one_mounter() {
+    let dir = scratch_dir("csi-share");
+    let mut first = csi_in(dir.clone(), Mode::Node).start();
+    let bucket = new_bucket("csi-share");
+    let mut node = first.node().await;
+    let (a, b, c) = (first.target("a"), first.target("b"), first.target("c"));
+    for t in [&a, &b] {
+        node.node_publish_volume(publish_req(&bucket, t))
+            .await
+            .unwrap_or_else(|e| panic!("publish: {e}\n{}", first.log_text()));
+        assert!(is_mountpoint(t));
+    }
+    let shared_pid = first.mounter_pid();
+    std::fs::write(a.join("from-a.txt"), b"a").unwrap();
+    assert_eq!(std::fs::read(b.join("from-a.txt")).unwrap(), b"a");
+    std::fs::write(b.join("from-b.txt"), b"b").unwrap();
+    assert_eq!(std::fs::read(a.join("from-b.txt")).unwrap(), b"b");
+
+    let mut read_only = publish_req(&bucket, &c);
+    read_only.readonly = true;
+    node.node_publish_volume(read_only).await.unwrap();
+    assert_eq!(
+        first.mounter_pids().len(),
+        2,
+        "read-only is another mounter"
+    );
+    assert_eq!(std::fs::read(c.join("from-a.txt")).unwrap(), b"a");
+    assert!(std::fs::write(c.join("no.txt"), b"x").is_err());
+
+    // One kill heals both targets: they are one FUSE connection.
+    unsafe {
+        libc::kill(shared_pid as i32, libc::SIGKILL);
+    }
+    common::node_service::wait_replaced(&mut node, &bucket, &a, 1).await;
+    for t in [&a, &b] {
+        let cond = node
+            .node_get_volume_stats(stats_req(&bucket, t))
+            .await
+            .unwrap()
+            .into_inner()
+            .volume_condition
+            .unwrap();
+        assert!(
+            !cond.abnormal && cond.message.contains("replaced 1 time"),
+            "{cond:?}"
+        );
+        assert_eq!(std::fs::read(t.join("from-a.txt")).unwrap(), b"a");
+    }
+
+    // One pod goes: the other keeps its mount and its mounter.
+    node.node_unpublish_volume(unpublish_req(&bucket, &a))
+        .await
+        .unwrap();
+    assert!(!is_mountpoint(&a) && !a.exists());
+    assert_eq!(std::fs::read(b.join("from-b.txt")).unwrap(), b"b");
+    assert_eq!(first.mounter_pids().len(), 2);
+
+    // A restarted node service knows which targets each mounter serves.
+    first.kill9();
+    let second = csi_in(dir, Mode::Node).start();
+    let mut node = second.node().await;
+    node.node_publish_volume(publish_req(&bucket, &b))
+        .await
+        .unwrap();
+    let stats = node
+        .node_get_volume_stats(stats_req(&bucket, &b))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!stats.volume_condition.unwrap().abnormal);
+    // A new pod joins the adopted mounter.
+    node.node_publish_volume(publish_req(&bucket, &a))
+        .await
+        .unwrap();
+    assert_eq!(std::fs::read(a.join("from-b.txt")).unwrap(), b"b");
+    assert_eq!(second.mounter_pids().len(), 2);
+    for t in [&a, &b, &c] {
+        node.node_unpublish_volume(unpublish_req(&bucket, t))
+            .await
+            .unwrap();
+        assert!(!is_mountpoint(t));
+    }
+    assert!(second.mounter_pids().is_empty());
+    let shared = second.dir().join("state").join("shared");
+    let left: Vec<_> = std::fs::read_dir(&shared).unwrap().flatten().collect();
+    assert!(left.is_empty(), "{left:?}");
+    drop(first);
+}

@@ -310,6 +310,22 @@ async fn metrics_count_csi_calls_and_mounts() {
     let mounted = server.scrape();
     assert_eq!(mounted.get("s3csi_mounts"), Some(&1.0), "{mounted:?}");
     assert_eq!(requests(&mounted, "NodePublishVolume", "OK"), 1.0);
+    assert_eq!(mounted.get("s3csi_mounters"), Some(&1.0), "{mounted:?}");
+    assert_eq!(mounted.get("s3csi_published_targets"), Some(&1.0));
+    // A second pod of the volume: one more target, the same mounter.
+    let second = server.csi.target("m2");
+    node.node_publish_volume(publish_req(&bucket, &second))
+        .await
+        .unwrap();
+    let shared = server.scrape();
+    assert_eq!(shared.get("s3csi_mounters"), Some(&1.0), "{shared:?}");
+    assert_eq!(shared.get("s3csi_published_targets"), Some(&2.0));
+    node.node_unpublish_volume(pb::NodeUnpublishVolumeRequest {
+        volume_id: bucket.clone(),
+        target_path: second.to_string_lossy().to_string(),
+    })
+    .await
+    .unwrap();
     node.node_unpublish_volume(pb::NodeUnpublishVolumeRequest {
         volume_id: bucket.clone(),
         target_path: target.to_string_lossy().to_string(),
@@ -319,7 +335,9 @@ async fn metrics_count_csi_calls_and_mounts() {
     assert!(!is_mountpoint(&target));
     let unmounted = server.scrape();
     assert_eq!(unmounted.get("s3csi_mounts"), Some(&0.0));
-    assert_eq!(requests(&unmounted, "NodeUnpublishVolume", "OK"), 1.0);
+    assert_eq!(requests(&unmounted, "NodeUnpublishVolume", "OK"), 2.0);
+    assert_eq!(unmounted.get("s3csi_mounters"), Some(&0.0));
+    assert_eq!(unmounted.get("s3csi_published_targets"), Some(&0.0));
     assert_eq!(
         unmounted.get("s3csi_mounter_replacements_total"),
         Some(&0.0)

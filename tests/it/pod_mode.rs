@@ -674,3 +674,68 @@ fn pod_mode_fails_fast_on_image_errors_and_times_out_with_the_last_reason() {
     assert!(took < Duration::from_secs(6), "{took:?}");
     drop(server);
 }
+
+/// Pods of one volume with the same options and credentials share one mounter Pod (and
+/// one Secret); other credentials get a mounter Pod of their own, never the first one's.
+/// The mounter Pod goes with the last target that uses it.
+#[test]
+fn pod_mode_pods_of_one_volume_share_a_mounter_pod_per_credentials() {
+    let dir = scratch_dir("pod-share");
+    let kube = FakeKube::start(&dir, NODE, s3csi_bin());
+    let server = start_node_service(&dir, &kube);
+    let bucket = new_bucket("pod-share");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut node = rt.block_on(server.node());
+    let (a, b, c) = (server.target("a"), server.target("b"), server.target("c"));
+    for t in [&a, &b] {
+        rt.block_on(node.node_publish_volume(with_secrets(publish_req(&bucket, t))))
+            .unwrap();
+    }
+    assert_eq!(pod_names(&kube).len(), 1, "{:?}", pod_names(&kube));
+    assert_eq!(kube.secrets().len(), 1);
+    std::fs::write(a.join("shared.txt"), b"one mounter").unwrap();
+    assert_eq!(std::fs::read(b.join("shared.txt")).unwrap(), b"one mounter");
+
+    // Another tenant's keys (the same ones here, named by another key id: the server
+    // accepts any): a second mounter Pod and Secret.
+    let mut other = publish_req(&bucket, &c);
+    other
+        .secrets
+        .insert("accessKeyId".into(), "AKIAPODMODETEST0002".into());
+    other
+        .secrets
+        .insert("secretAccessKey".into(), SECRET.into());
+    rt.block_on(node.node_publish_volume(other)).unwrap();
+    assert_eq!(pod_names(&kube).len(), 2);
+    let secrets = kube.secrets();
+    assert_eq!(secrets.len(), 2);
+    let ids: Vec<_> = secrets
+        .iter()
+        .map(|s| {
+            s["stringData"]["AWS_ACCESS_KEY_ID"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert!(ids.contains(&KEY_ID.to_string()) && ids.contains(&"AKIAPODMODETEST0002".to_string()));
+
+    let unpublish = |t: &Path| pb::NodeUnpublishVolumeRequest {
+        volume_id: bucket.clone(),
+        target_path: t.to_string_lossy().to_string(),
+    };
+    rt.block_on(node.node_unpublish_volume(unpublish(&a)))
+        .unwrap();
+    assert_eq!(
+        pod_names(&kube).len(),
+        2,
+        "b still uses the first mounter pod"
+    );
+    assert_eq!(std::fs::read(b.join("shared.txt")).unwrap(), b"one mounter");
+    for t in [&b, &c] {
+        rt.block_on(node.node_unpublish_volume(unpublish(t)))
+            .unwrap();
+    }
+    assert!(kube.pods().is_empty() && kube.secrets().is_empty());
+    assert!(!server.log_text().contains(SECRET));
+}
