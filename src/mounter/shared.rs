@@ -48,7 +48,8 @@ impl SharedMounts {
         mounts_dir: PathBuf,
         records_dir: PathBuf,
     ) -> std::io::Result<Self> {
-        std::fs::create_dir_all(&mounts_dir)?;
+        // Root's only: the shared mounts are reached through the pods' binds, not here.
+        super::manager::private_dir(&mounts_dir)?;
         super::manager::private_dir(&records_dir)?;
         Ok(Self {
             inner,
