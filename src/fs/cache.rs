@@ -116,6 +116,10 @@ pub struct DataCache {
     queued: AtomicU64,
     /// Bytes uploads hold for the cache (see `hold`).
     held: AtomicU64,
+    /// When a read last brought fetched bytes (ms after `opened`): the background fill
+    /// waits while reads fetch, so that it never takes their share of the link.
+    last_read_ms: AtomicU64,
+    opened: std::time::Instant,
     pub stats: CacheStats,
     /// Held while this process uses the directory.
     _lock: File,
@@ -322,6 +326,8 @@ impl DataCache {
             queue,
             queued: AtomicU64::new(0),
             held: AtomicU64::new(0),
+            last_read_ms: AtomicU64::new(0),
+            opened: std::time::Instant::now(),
             stats: CacheStats::default(),
             _lock: lock_file,
         });
@@ -430,6 +436,20 @@ impl DataCache {
         self.release(&e);
     }
 
+    /// What a read fetched from S3 for `e`: kept as [`Self::offer`] keeps it, and the
+    /// background fill holds back for a while (see `backfill`).
+    pub fn offer_read(&self, e: &Arc<Entry>, start: u64, data: Bytes) {
+        self.last_read_ms
+            .store(self.opened.elapsed().as_millis() as u64, Ordering::Relaxed);
+        self.offer(e, start, data);
+    }
+
+    /// Did a read fetch anything in the last 200 ms?
+    fn reads_fetching(&self) -> bool {
+        let now = self.opened.elapsed().as_millis() as u64;
+        now.saturating_sub(self.last_read_ms.load(Ordering::Relaxed)) < 200
+    }
+
     /// Bytes `start..` fetched from S3 for `e`: the whole blocks among them are kept, in
     /// the background (dropped when the writer is behind).
     pub fn offer(&self, e: &Arc<Entry>, start: u64, data: Bytes) {
@@ -472,7 +492,8 @@ impl DataCache {
     /// A reader read `e` to its end, but not every block was kept (the writer thread
     /// runs on idle CPU only and drops what it cannot keep up with, so a fast first read
     /// leaves gaps): the missing blocks are fetched again in the background, at most 8 MiB
-    /// at a time and only while the write queue has room, so that the next read is served
+    /// at a time and only while the write queue has room and no read fetches, so that the
+    /// next read is served
     /// wholly from the cache (and may pass through). Costs GETs only for those blocks.
     pub fn backfill(self: &Arc<Self>, e: &Arc<Entry>, client: Arc<dyn crate::s3::ObjectClient>) {
         if e.dead.load(Ordering::Relaxed) || e.filling.swap(true, Ordering::Relaxed) {
@@ -499,9 +520,12 @@ impl DataCache {
                 }
             }
             for (first, last) in runs {
-                // Room in the queue first: reads come before the fill.
+                // Reads come before the fill: it waits for room in the queue, and while
+                // reads fetch (a minute at most; the next whole read starts it again).
                 let mut waited = 0;
-                while cache.queued.load(Ordering::Relaxed) > WRITE_QUEUE_BYTES / 2 {
+                while cache.queued.load(Ordering::Relaxed) > WRITE_QUEUE_BYTES / 2
+                    || cache.reads_fetching()
+                {
                     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
                     waited += 1;
                     if waited > 3000 || e.dead.load(Ordering::Relaxed) {

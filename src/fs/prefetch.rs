@@ -297,7 +297,7 @@ impl Prefetcher {
             .await
             .map_err(read_error)?;
             if let Some(c) = &self.cache {
-                c.cache.offer(&c.entry, fetch_start, block.clone());
+                c.cache.offer_read(&c.entry, fetch_start, block.clone());
             }
             if let (Some(m), Some(etag)) = (&self.memory, &self.etag) {
                 m.put(&self.key, etag, fetch_start, block.clone());
@@ -381,7 +381,7 @@ impl Prefetcher {
             let bytes = chunk.bytes().await.map_err(read_error)?;
             if let (Some(c), false) = (&self.cache, chunk.cached) {
                 chunk.cached = true;
-                c.cache.offer(&c.entry, chunk.start, bytes.clone());
+                c.cache.offer_read(&c.entry, chunk.start, bytes.clone());
             }
             let from = (offset.max(chunk.start) - chunk.start) as usize;
             let to = ((end.min(chunk.end) - chunk.start) as usize).min(bytes.len());
