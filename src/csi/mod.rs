@@ -336,9 +336,8 @@ pub async fn serve(
                 MountManager::logs_dir(&args.state_dir).map_err(state_error)?,
             )),
         };
-        let kernel: Arc<dyn crate::mounter::kernel::Kernel> = Arc::new(RealKernel);
         let manager = MountManager::new(
-            kernel.clone(),
+            Arc::new(RealKernel),
             backend,
             args.state_dir.clone(),
             Timeouts {
@@ -356,13 +355,8 @@ pub async fn serve(
             .shared_mounts_dir
             .clone()
             .unwrap_or_else(|| args.state_dir.join("shared"));
-        let mounter = SharedMounts::new(
-            manager.clone(),
-            kernel,
-            shared_dir,
-            args.state_dir.join("shares"),
-        )
-        .map_err(state_error)?;
+        let mounter = SharedMounts::new(manager.clone(), shared_dir, args.state_dir.join("shares"))
+            .map_err(state_error)?;
         let targets = mounter.recover();
         if targets > 0 {
             tracing::info!(

@@ -7,8 +7,7 @@ use super::handoff;
 use super::kernel::{Kernel, ProbeError, Usage, PROBE_TIMEOUT};
 use super::state::MountRecord;
 use super::{
-    blocking, key_for, private_file, FailureKind, MountError, MountRequest, MountStatus, Mounter,
-    Timeouts,
+    blocking, key_for, FailureKind, MountError, MountRequest, MountStatus, Mounter, Timeouts,
 };
 use async_trait::async_trait;
 use std::collections::HashMap;
@@ -245,11 +244,7 @@ impl MountManager {
             }
         };
         let path = self.state_file(target);
-        let tmp = path.with_extension("tmp");
-        let res = private_file(&tmp, false)
-            .and_then(|mut f| std::io::Write::write_all(&mut f, record.to_json().as_bytes()))
-            .and_then(|_| std::fs::rename(&tmp, &path));
-        if let Err(e) = res {
+        if let Err(e) = super::write_private(&path, record.to_json().as_bytes()) {
             tracing::warn!(error = %e, "cannot record the mount in the state directory");
         }
     }

@@ -246,6 +246,15 @@ fn private_file(path: &Path, append: bool) -> std::io::Result<std::fs::File> {
     Ok(f)
 }
 
+/// Replaces `path` with `bytes` atomically (a sibling `.tmp` renamed over it), mode 0600:
+/// a crash leaves the old file or the new one, never half of one.
+fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    let mut f = private_file(&tmp, false)?;
+    std::io::Write::write_all(&mut f, bytes)?;
+    std::fs::rename(&tmp, path)
+}
+
 /// `text` without any of the `scrub` values (credentials) in it.
 fn scrub_text(text: &str, scrub: &[String]) -> String {
     let mut text = text.to_string();

@@ -10,8 +10,10 @@
 //! once per node whatever the pods, but the key also holds what differs per pod (read-only,
 //! the fsGroup's gid, credentials), so two pods of one volume may need two mounters.
 
-use super::kernel::{Kernel, ProbeError, Usage};
-use super::{blocking, private_file, MountError, MountManager, MountRequest, MountStatus, Mounter};
+use super::kernel::{ProbeError, Usage};
+use super::{
+    blocking, write_private, MountError, MountManager, MountRequest, MountStatus, Mounter,
+};
 use async_trait::async_trait;
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -31,7 +33,6 @@ struct Table {
 
 pub struct SharedMounts {
     inner: Arc<MountManager>,
-    kernel: Arc<dyn Kernel>,
     /// Where the shared FUSE mounts are made (on the node, and visible to the host).
     mounts_dir: PathBuf,
     /// Where their targets are recorded.
@@ -44,7 +45,6 @@ pub struct SharedMounts {
 impl SharedMounts {
     pub fn new(
         inner: Arc<MountManager>,
-        kernel: Arc<dyn Kernel>,
         mounts_dir: PathBuf,
         records_dir: PathBuf,
     ) -> std::io::Result<Self> {
@@ -53,7 +53,6 @@ impl SharedMounts {
         super::manager::private_dir(&records_dir)?;
         Ok(Self {
             inner,
-            kernel,
             mounts_dir,
             records_dir,
             table: Mutex::new(Table::default()),
@@ -113,12 +112,8 @@ impl SharedMounts {
             let _ = std::fs::remove_file(&path);
             return;
         };
-        let tmp = path.with_extension("tmp");
         let text = serde_json::to_vec_pretty(&share).expect("a share always serialises");
-        let res = private_file(&tmp, false)
-            .and_then(|mut f| std::io::Write::write_all(&mut f, &text))
-            .and_then(|_| std::fs::rename(&tmp, &path));
-        if let Err(e) = res {
+        if let Err(e) = write_private(&path, &text) {
             tracing::warn!(error = %e, "cannot record the shared mount's targets");
         }
     }
@@ -136,7 +131,7 @@ impl SharedMounts {
         let Ok(dir) = std::fs::read_dir(&self.records_dir) else {
             return 0;
         };
-        let mounted = self.kernel.mounts();
+        let mounted = self.inner.kernel.mounts();
         let mut table = self.table.lock().unwrap();
         for entry in dir.flatten() {
             let path = entry.path();
@@ -258,7 +253,7 @@ impl Mounter for SharedMounts {
                 targets: BTreeSet::new(),
             });
         }
-        if let Err(e) = self.kernel.bind(&primary, &req.target) {
+        if let Err(e) = self.inner.kernel.bind(&primary, &req.target) {
             let unused = self
                 .table
                 .lock()
@@ -294,7 +289,7 @@ impl Mounter for SharedMounts {
         };
         let op = self.op_lock(&key);
         let _op = op.lock().await;
-        if self.kernel.find(target).is_some() {
+        if self.inner.kernel.find(target).is_some() {
             self.inner.unmount_or_detach(target).await?;
         }
         let last = {
@@ -325,7 +320,7 @@ impl Mounter for SharedMounts {
             return self.inner.status(target);
         };
         let mut st = self.inner.status(&self.primary(&key));
-        st.mounted = self.kernel.find(target);
+        st.mounted = self.inner.kernel.find(target);
         if st.volume_id.is_none() {
             st.volume_id = Some(share.volume_id);
             st.problem = Some("the volume's shared mount on this node is gone".into());

@@ -535,7 +535,6 @@ fn publishes_share_a_mounter_only_when_everything_that_shapes_the_mount_agrees()
 fn shared(node: &Node, manager: &Arc<MountManager>) -> SharedMounts {
     SharedMounts::new(
         manager.clone(),
-        node.kernel.clone(),
         node.scratch.0.join("shared"),
         node.scratch.0.join("state/shares"),
     )
