@@ -5,7 +5,10 @@
 //! Key names are the same everywhere the driver reads them:
 //! - volume context / StorageClass: `bucket`, `prefix` (`basePrefix` in a StorageClass),
 //!   `region`, `endpointUrl`, `forcePathStyle`;
-//! - Secrets: `accessKeyId`, `secretAccessKey`, optional `sessionToken`.
+//! - Secrets: `accessKeyId`, `secretAccessKey`, optional `sessionToken`;
+//! - who the mounter acts for: `authenticationSource` (`driver` or `pod`), `stsEndpointUrl`;
+//!   with `pod`, kubelet's `csi.storage.k8s.io/serviceAccount.tokens` and pod info
+//!   ([`PodAuth`]).
 //!
 //! Keys that contain a `/` (`csi.storage.k8s.io/pod.name`,
 //! `storage.kubernetes.io/csiProvisionerIdentity`, ...) belong to Kubernetes and are
@@ -24,6 +27,19 @@ pub const KEY_ENDPOINT_URL: &str = "endpointUrl";
 pub const KEY_FORCE_PATH_STYLE: &str = "forcePathStyle";
 pub const KEY_CACHE_SIZE: &str = "cacheSize";
 pub const KEY_KEEP_CACHE: &str = "keepCache";
+pub const KEY_AUTHENTICATION_SOURCE: &str = "authenticationSource";
+pub const KEY_STS_ENDPOINT_URL: &str = "stsEndpointUrl";
+
+/// What kubelet adds to the volume context when the CSIDriver asks for it
+/// (`tokenRequests`, `podInfoOnMount`).
+pub const CTX_TOKENS: &str = "csi.storage.k8s.io/serviceAccount.tokens";
+pub const CTX_SERVICE_ACCOUNT: &str = "csi.storage.k8s.io/serviceAccount.name";
+pub const CTX_POD_NAMESPACE: &str = "csi.storage.k8s.io/pod.namespace";
+pub const CTX_POD_NAME: &str = "csi.storage.k8s.io/pod.name";
+/// The audience of the token for STS AssumeRoleWithWebIdentity (IRSA).
+pub const AUDIENCE_STS: &str = "sts.amazonaws.com";
+/// The audience of the token for the EKS Pod Identity agent.
+pub const AUDIENCE_POD_IDENTITY: &str = "pods.eks.amazonaws.com";
 
 pub const SECRET_ACCESS_KEY_ID: &str = "accessKeyId";
 pub const SECRET_SECRET_ACCESS_KEY: &str = "secretAccessKey";
@@ -253,6 +269,161 @@ impl CacheRequest {
     }
 }
 
+/// Whose credentials the mounter uses.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum AuthenticationSource {
+    /// The node plugin's own (its IAM role or `awsCredentials`), or the volume's
+    /// node-publish Secret.
+    #[default]
+    Driver,
+    /// The workload pod's service account: its token, exchanged for the role annotated on
+    /// it (IRSA) or by the EKS Pod Identity agent.
+    Pod,
+}
+
+/// `authenticationSource` and `stsEndpointUrl`, as a StorageClass or a PV asks for them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AuthRequest {
+    pub source: Option<AuthenticationSource>,
+    /// Where web identity tokens are exchanged (an S3-compatible store's STS); AWS's
+    /// regional STS when unset.
+    pub sts_endpoint_url: Option<String>,
+}
+
+impl AuthRequest {
+    fn set(&mut self, key: &str, value: &str) -> Result<bool, VolumeError> {
+        match key {
+            KEY_AUTHENTICATION_SOURCE => {
+                self.source = Some(match value.trim() {
+                    "driver" | "" => AuthenticationSource::Driver,
+                    "pod" => AuthenticationSource::Pod,
+                    v => {
+                        return Err(invalid(format!(
+                            "{KEY_AUTHENTICATION_SOURCE}: expected driver or pod, got {v:?}"
+                        )))
+                    }
+                })
+            }
+            KEY_STS_ENDPOINT_URL => {
+                let mut probe = MountConfig::new(BucketSource::parse("probe").expect("valid"));
+                probe
+                    .apply_option("endpoint-url", Some(value))
+                    .map_err(|e| invalid(format!("{KEY_STS_ENDPOINT_URL}: {e}")))?;
+                self.sts_endpoint_url = probe.endpoint.endpoint_url;
+            }
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// The attributes CreateVolume hands on to the volume's context.
+    pub fn context(&self) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        if let Some(s) = self.source {
+            let v = match s {
+                AuthenticationSource::Driver => "driver",
+                AuthenticationSource::Pod => "pod",
+            };
+            out.push((KEY_AUTHENTICATION_SOURCE.to_string(), v.to_string()));
+        }
+        if let Some(u) = &self.sts_endpoint_url {
+            out.push((KEY_STS_ENDPOINT_URL.to_string(), u.clone()));
+        }
+        out
+    }
+}
+
+/// A token kubelet requested for the pod's service account. `Debug` never shows it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ServiceAccountToken(String);
+
+impl ServiceAccountToken {
+    pub fn secret(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for ServiceAccountToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+/// The workload pod, as kubelet describes it to a volume with `authenticationSource: pod`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodAuth {
+    pub namespace: String,
+    pub service_account: String,
+    pub pod_name: String,
+    /// For STS (IRSA), if the CSIDriver requested that audience.
+    pub sts_token: Option<ServiceAccountToken>,
+    /// For the EKS Pod Identity agent, if requested.
+    pub pod_identity_token: Option<ServiceAccountToken>,
+    pub sts_endpoint_url: Option<String>,
+}
+
+impl PodAuth {
+    /// From the merged volume context. Errors name keys, never token values.
+    fn parse(
+        ctx: &HashMap<String, String>,
+        sts_endpoint_url: Option<String>,
+    ) -> Result<Self, VolumeError> {
+        let need = |k: &str| {
+            ctx.get(k)
+                .map(|v| v.trim())
+                .filter(|v| !v.is_empty())
+                .map(str::to_string)
+                .ok_or_else(|| {
+                    invalid(format!(
+                        "{KEY_AUTHENTICATION_SOURCE} is pod, but kubelet sent no {k:?} (the \
+                         CSIDriver object needs podInfoOnMount and tokenRequests; the chart \
+                         sets them)"
+                    ))
+                })
+        };
+        let namespace = need(CTX_POD_NAMESPACE)?;
+        let service_account = need(CTX_SERVICE_ACCOUNT)?;
+        let pod_name = need(CTX_POD_NAME)?;
+        let raw = need(CTX_TOKENS)?;
+        #[derive(serde::Deserialize)]
+        struct Token {
+            token: String,
+        }
+        let tokens: HashMap<String, Token> = serde_json::from_str(&raw).map_err(|e| {
+            // serde's message may quote the input: say where it failed, nothing more.
+            invalid(format!(
+                "{CTX_TOKENS} is not a JSON map of audience to token (line {}, column {})",
+                e.line(),
+                e.column()
+            ))
+        })?;
+        let token = |aud: &str| {
+            tokens
+                .get(aud)
+                .map(|t| t.token.trim())
+                .filter(|t| !t.is_empty())
+                .map(|t| ServiceAccountToken(t.to_string()))
+        };
+        let (sts_token, pod_identity_token) = (token(AUDIENCE_STS), token(AUDIENCE_POD_IDENTITY));
+        if sts_token.is_none() && pod_identity_token.is_none() {
+            let mut audiences: Vec<&String> = tokens.keys().collect();
+            audiences.sort();
+            return Err(invalid(format!(
+                "{CTX_TOKENS} has no token for {AUDIENCE_STS:?} or {AUDIENCE_POD_IDENTITY:?} \
+                 (audiences: {audiences:?}); set the CSIDriver's tokenRequests"
+            )));
+        }
+        Ok(Self {
+            namespace,
+            service_account,
+            pod_name,
+            sts_token,
+            pod_identity_token,
+            sts_endpoint_url,
+        })
+    }
+}
+
 /// Parsed volume context (PV `volumeAttributes` or CreateVolume's `volume_context`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct VolumeContext {
@@ -260,6 +431,7 @@ pub struct VolumeContext {
     pub prefix: Option<String>,
     pub location: S3Location,
     pub cache: CacheRequest,
+    pub auth: AuthRequest,
 }
 
 impl VolumeContext {
@@ -281,7 +453,7 @@ impl VolumeContext {
                 }
                 _ if is_kubernetes_key(k) => {}
                 _ => {
-                    if !out.location.set(k, v)? && !out.cache.set(k, v)? {
+                    if !out.location.set(k, v)? && !out.cache.set(k, v)? && !out.auth.set(k, v)? {
                         return Err(invalid(format!("unknown volume attribute {k:?}")));
                     }
                 }
@@ -299,6 +471,7 @@ pub struct StorageClassParams {
     pub base_prefix: String,
     pub location: S3Location,
     pub cache: CacheRequest,
+    pub auth: AuthRequest,
 }
 
 impl StorageClassParams {
@@ -307,6 +480,7 @@ impl StorageClassParams {
         let mut base_prefix = String::new();
         let mut location = S3Location::default();
         let mut cache = CacheRequest::default();
+        let mut auth = AuthRequest::default();
         let mut keys: Vec<&String> = params.keys().collect();
         keys.sort();
         for k in keys {
@@ -322,7 +496,7 @@ impl StorageClassParams {
                 }
                 _ if is_kubernetes_key(k) => {}
                 _ => {
-                    if !location.set(k, v)? && !cache.set(k, v)? {
+                    if !location.set(k, v)? && !cache.set(k, v)? && !auth.set(k, v)? {
                         return Err(invalid(format!("unknown StorageClass parameter {k:?}")));
                     }
                 }
@@ -335,6 +509,7 @@ impl StorageClassParams {
             base_prefix,
             location,
             cache,
+            auth,
         })
     }
 
@@ -382,6 +557,8 @@ pub struct PublishSpec {
     /// The PV's `mountOptions`, each checked against [`MountConfig::apply_option`].
     pub mount_flags: Vec<String>,
     pub credentials: Option<Credentials>,
+    /// `authenticationSource: pod`: the workload pod's identity and tokens.
+    pub pod_auth: Option<PodAuth>,
     /// The validated result of all of the above, as the mounter will see it.
     pub config: MountConfig,
     /// The data cache outlives the last unpublish on the node (`keepCache`).
@@ -459,6 +636,19 @@ impl PublishSpec {
         if input.read_only {
             config.read_only = true;
         }
+        let credentials = Credentials::from_secrets(input.secrets)?;
+        let pod_auth = match ctx.auth.source.unwrap_or_default() {
+            AuthenticationSource::Driver => None,
+            AuthenticationSource::Pod if credentials.is_some() => {
+                return Err(invalid(format!(
+                    "{KEY_AUTHENTICATION_SOURCE} is pod, but the volume also has node-publish \
+                     secrets: use one or the other"
+                )))
+            }
+            AuthenticationSource::Pod => {
+                Some(PodAuth::parse(&merged, ctx.auth.sts_endpoint_url.clone())?)
+            }
+        };
         Ok(Self {
             volume_id: input.volume_id.to_string(),
             source,
@@ -471,7 +661,8 @@ impl PublishSpec {
                 .map(|f| f.trim().to_string())
                 .filter(|f| !f.is_empty())
                 .collect(),
-            credentials: Credentials::from_secrets(input.secrets)?,
+            credentials,
+            pod_auth,
             keep_cache: ctx.cache.keep.unwrap_or(false) && config.data_cache,
             config,
         })
@@ -574,6 +765,85 @@ mod tests {
         assert_eq!(
             sc.cache.context(),
             vec![("cacheSize".into(), "5GiB".into())]
+        );
+    }
+
+    #[test]
+    fn authentication_source_pod_takes_the_pods_token_and_names_what_is_missing() {
+        let spec = |ctx: &[(&str, &str)], secrets: &[(&str, &str)]| {
+            let (ctx, secrets, none) = (map(ctx), map(secrets), HashMap::new());
+            PublishSpec::parse(PublishInput {
+                volume_id: "bkt",
+                volume_context: &ctx,
+                publish_context: &none,
+                secrets: &secrets,
+                mount_flags: &[],
+                volume_mount_group: "",
+                read_only: false,
+                defaults: &Endpoint::default(),
+            })
+        };
+        let tokens =
+            r#"{"sts.amazonaws.com":{"token":"eyJ-secret-jwt","expirationTimestamp":"x"}}"#;
+        let pod = [
+            ("authenticationSource", "pod"),
+            ("stsEndpointUrl", "http://127.0.0.1:5000"),
+            (CTX_POD_NAMESPACE, "team-a"),
+            (CTX_POD_NAME, "reader-0"),
+            (CTX_SERVICE_ACCOUNT, "reader"),
+            (CTX_TOKENS, tokens),
+        ];
+        let auth = spec(&pod, &[]).unwrap().pod_auth.unwrap();
+        assert_eq!(
+            (auth.namespace.as_str(), auth.service_account.as_str()),
+            ("team-a", "reader")
+        );
+        assert_eq!(auth.sts_token.as_ref().unwrap().secret(), "eyJ-secret-jwt");
+        assert!(auth.pod_identity_token.is_none());
+        assert_eq!(
+            auth.sts_endpoint_url.as_deref(),
+            Some("http://127.0.0.1:5000")
+        );
+        assert!(!format!("{auth:?}").contains("eyJ-secret-jwt"));
+        // Without the attribute, kubelet's tokens are ignored.
+        assert!(spec(&pod[2..], &[]).unwrap().pod_auth.is_none());
+        assert!(spec(&[("authenticationSource", "driver")], &[])
+            .unwrap()
+            .pod_auth
+            .is_none());
+
+        let err = |ctx: &[(&str, &str)], secrets: &[(&str, &str)]| {
+            let e = spec(ctx, secrets).unwrap_err().to_string();
+            assert!(!e.contains("eyJ-secret-jwt"), "{e}");
+            e
+        };
+        assert!(err(&pod[..5], &[]).contains("tokenRequests"));
+        assert!(err(&[pod[0], pod[2], pod[3], pod[5]], &[]).contains(CTX_SERVICE_ACCOUNT));
+        let mut bad = pod;
+        bad[5] = (CTX_TOKENS, r#"{"sts.amazonaws.com": "eyJ-secret-jwt"#);
+        assert!(err(&bad, &[]).contains("not a JSON map"));
+        bad[5] = (CTX_TOKENS, r#"{"other":{"token":"eyJ-secret-jwt"}}"#);
+        assert!(err(&bad, &[]).contains("\"other\""));
+        assert!(
+            err(&pod, &[("accessKeyId", "AK"), ("secretAccessKey", "S")])
+                .contains("one or the other")
+        );
+        assert!(err(&[("authenticationSource", "node")], &[]).contains("driver or pod"));
+        assert!(err(&[("stsEndpointUrl", "not a url")], &[]).contains("stsEndpointUrl"));
+        // A token for EKS Pod Identity alone is enough.
+        bad[5] = (
+            CTX_TOKENS,
+            r#"{"pods.eks.amazonaws.com":{"token":"eyJ-pi"}}"#,
+        );
+        let auth = spec(&bad, &[]).unwrap().pod_auth.unwrap();
+        assert!(auth.sts_token.is_none() && auth.pod_identity_token.is_some());
+        // A StorageClass hands the attributes on to its volumes.
+        let sc =
+            StorageClassParams::parse(&map(&[("bucket", "bkt"), ("authenticationSource", "pod")]))
+                .unwrap();
+        assert_eq!(
+            sc.auth.context(),
+            vec![("authenticationSource".into(), "pod".into())]
         );
     }
 

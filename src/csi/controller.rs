@@ -282,6 +282,7 @@ impl ControllerService {
             ctx.insert(KEY_FORCE_PATH_STYLE.into(), f.to_string());
         }
         ctx.extend(params.cache.context());
+        ctx.extend(params.auth.context());
         tracing::info!(
             volume_id,
             capacity_bytes = record.capacity_bytes,

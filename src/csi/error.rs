@@ -18,6 +18,8 @@ pub enum CsiError {
     #[error("{0}")]
     PermissionDenied(String),
     #[error("{0}")]
+    FailedPrecondition(String),
+    #[error("{0}")]
     Unavailable(String),
     #[error("{0}")]
     DeadlineExceeded(String),
@@ -39,6 +41,7 @@ impl CsiError {
             CsiError::AlreadyExists(_) => Code::AlreadyExists,
             CsiError::Aborted(_) => Code::Aborted,
             CsiError::PermissionDenied(_) => Code::PermissionDenied,
+            CsiError::FailedPrecondition(_) => Code::FailedPrecondition,
             CsiError::Unavailable(_) => Code::Unavailable,
             CsiError::DeadlineExceeded(_) => Code::DeadlineExceeded,
             CsiError::Internal(_) => Code::Internal,

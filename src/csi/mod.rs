@@ -18,6 +18,7 @@ pub mod error;
 pub mod identity;
 pub mod node;
 pub mod pb;
+pub mod pod_identity;
 pub mod registration;
 pub mod volume_record;
 
@@ -346,10 +347,6 @@ pub async fn serve(
             },
         )
         .map_err(state_error)?;
-        let adopted = manager.recover();
-        if adopted > 0 {
-            tracing::info!(adopted, "adopted mounts from a previous run");
-        }
         let manager = Arc::new(manager);
         let shared_dir = args
             .shared_mounts_dir
@@ -357,17 +354,8 @@ pub async fn serve(
             .unwrap_or_else(|| args.state_dir.join("shared"));
         let mounter = SharedMounts::new(manager.clone(), shared_dir, args.state_dir.join("shares"))
             .map_err(state_error)?;
-        let targets = mounter.recover();
-        if targets > 0 {
-            tracing::info!(
-                targets,
-                "found the targets of shared mounts from a previous run"
-            );
-        }
-        if let Err(e) = mounter.reconcile().await {
-            tracing::warn!(error = %e, "cannot clean up mounter pods; trying again at the next start");
-        }
         let mounter = Arc::new(mounter);
+        let recovered = recover_in_background(manager.clone(), mounter.clone());
         let m = manager.clone();
         registry.gauge(
             "s3csi_mounts",
@@ -395,8 +383,6 @@ pub async fn serve(
         // Each mounter's own metrics (S3 requests, bytes, open files), by volume.
         let m = manager.clone();
         registry.scrape_mounters(move || m.mounter_endpoints());
-        // Replaces mounters that die while their mount is held.
-        manager.start_supervisor();
         let kubelet_dir = match &args.kubelet_dir {
             Some(d) => Some(
                 std::fs::canonicalize(d).map_err(|source| StartError::KubeletDir {
@@ -412,6 +398,8 @@ pub async fn serve(
             kubelet_dir,
             defaults: defaults.clone(),
             in_flight: in_flight.clone(),
+            service_accounts: Default::default(),
+            recovered,
         }))
     } else {
         None
@@ -505,6 +493,43 @@ pub async fn serve(
     }
     let _ = std::fs::remove_file(&path);
     result
+}
+
+/// Adopts the mounts an earlier node service left (their mounters may each take seconds
+/// to hand their descriptors back) while the socket already serves: kubelet's registration,
+/// probes and identity calls are answered at once, and node calls wait on the returned
+/// flag. Then starts the supervisor, which replaces mounters that die while their mount is
+/// held.
+fn recover_in_background(
+    manager: Arc<MountManager>,
+    mounter: Arc<SharedMounts>,
+) -> tokio::sync::watch::Receiver<bool> {
+    let (done, recovered) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        let started = std::time::Instant::now();
+        let m = manager.clone();
+        let adopted = tokio::task::spawn_blocking(move || m.recover())
+            .await
+            .unwrap_or(0);
+        let m = mounter.clone();
+        let targets = tokio::task::spawn_blocking(move || m.recover())
+            .await
+            .unwrap_or(0);
+        if let Err(e) = mounter.reconcile().await {
+            tracing::warn!(error = %e, "cannot clean up mounter pods; trying again at the next start");
+        }
+        manager.start_supervisor();
+        if adopted + targets > 0 {
+            tracing::info!(
+                adopted,
+                targets,
+                took_ms = started.elapsed().as_millis() as u64,
+                "adopted the mounts of a previous run"
+            );
+        }
+        let _ = done.send(true);
+    });
+    recovered
 }
 
 /// The node service holds one or two descriptors per mount (its duplicate of /dev/fuse, a

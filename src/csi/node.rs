@@ -25,6 +25,10 @@ pub struct NodeService {
     /// S3 location used when the volume context says nothing.
     pub defaults: Endpoint,
     pub in_flight: InFlight,
+    /// For `authenticationSource: pod`.
+    pub service_accounts: super::pod_identity::ServiceAccounts,
+    /// Set once the mounts of an earlier node service are adopted: node calls wait for it.
+    pub recovered: tokio::sync::watch::Receiver<bool>,
 }
 
 /// Checks a path kubelet hands us: absolute, no `..`, no control characters, under the
@@ -114,6 +118,12 @@ pub(crate) fn check_capability(cap: Option<&pb::VolumeCapability>) -> Result<boo
 }
 
 impl NodeService {
+    /// Waits until start-up recovery is done: before, a target's mount may not be known yet.
+    async fn recovered(&self) {
+        let mut r = self.recovered.clone();
+        let _ = r.wait_for(|done| *done).await;
+    }
+
     async fn publish(&self, req: pb::NodePublishVolumeRequest) -> Result<()> {
         if req.volume_id.is_empty() {
             return Err(CsiError::invalid("volume_id is required"));
@@ -140,6 +150,10 @@ impl NodeService {
         })?;
 
         let _guard = self.in_flight.try_begin(&target)?;
+        let pod_credentials = match &spec.pod_auth {
+            Some(auth) => Some(self.service_accounts.credentials(auth).await?),
+            None => None,
+        };
         // status() may probe the mount, which waits while a mounter is being replaced:
         // keep it off the async workers' queues.
         let status = tokio::task::block_in_place(|| self.mounter.status(&target));
@@ -147,8 +161,17 @@ impl NodeService {
             (Some(v), Some(_))
                 if *v == req.volume_id && (status.problem.is_none() || status.recoverable) =>
             {
-                // A mount whose mounter is being replaced is published all the same.
-                tracing::info!(problem = ?status.problem, "already published");
+                // A mount whose mounter is being replaced is published all the same. A
+                // republish (`requiresRepublish`) brings the pod's fresh token.
+                if let Some(c) = &pod_credentials {
+                    self.mounter.refresh(&target, c).await?;
+                    tracing::info!(
+                        service_account = c.service_account,
+                        "refreshed the pod's token"
+                    );
+                } else {
+                    tracing::info!(problem = ?status.problem, "already published");
+                }
                 return Ok(());
             }
             (Some(v), Some(_)) if *v != req.volume_id => {
@@ -195,11 +218,13 @@ impl NodeService {
                 no_default_permissions: spec.config.no_default_permissions,
             },
             keep_cache: spec.keep_cache,
+            pod_credentials,
         };
         tracing::info!(
             source = %request.source,
             args = ?request.args,
             static_credentials = credentials.is_some(),
+            pod_credentials = ?request.pod_credentials,
             "mounting"
         );
         if let Err(e) = self.mounter.mount(request).await {
@@ -331,6 +356,7 @@ impl Node for NodeService {
         let req = request.into_inner();
         record(&req.volume_id, &req.target_path);
         tracing::debug!(request = ?req, "NodePublishVolume");
+        self.recovered().await;
         self.publish(req).await?;
         Ok(Response::new(pb::NodePublishVolumeResponse {}))
     }
@@ -343,6 +369,7 @@ impl Node for NodeService {
         let req = request.into_inner();
         record(&req.volume_id, &req.target_path);
         tracing::debug!(request = ?req, "NodeUnpublishVolume");
+        self.recovered().await;
         self.unpublish(req).await?;
         Ok(Response::new(pb::NodeUnpublishVolumeResponse {}))
     }
@@ -354,6 +381,7 @@ impl Node for NodeService {
     ) -> Result<Response<pb::NodeGetVolumeStatsResponse>, Status> {
         let req = request.into_inner();
         record(&req.volume_id, &req.volume_path);
+        self.recovered().await;
         Ok(Response::new(self.stats(req).await?))
     }
 

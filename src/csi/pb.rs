@@ -48,13 +48,46 @@ redacted_debug! {
     ControllerExpandVolumeRequest { volume_id, capacity_range, volume_capability }
     NodeStageVolumeRequest { volume_id, publish_context, staging_target_path,
         volume_capability, volume_context }
-    NodePublishVolumeRequest { volume_id, publish_context, staging_target_path, target_path,
-        volume_capability, readonly, volume_context }
     NodeExpandVolumeRequest { volume_id, volume_path, capacity_range, staging_target_path,
         volume_capability }
     CreateVolumeGroupSnapshotRequest { name, source_volume_ids, parameters }
     DeleteVolumeGroupSnapshotRequest { group_snapshot_id, snapshot_ids }
     GetVolumeGroupSnapshotRequest { group_snapshot_id, snapshot_ids }
+}
+
+/// A volume context with kubelet's service-account tokens replaced by their audiences.
+struct Context<'a>(&'a std::collections::HashMap<String, String>);
+
+impl std::fmt::Debug for Context<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use crate::config::volume::CTX_TOKENS;
+        let mut keys: Vec<&String> = self.0.keys().collect();
+        keys.sort();
+        let mut m = f.debug_map();
+        for k in keys {
+            if k == CTX_TOKENS {
+                m.entry(k, &"<redacted>");
+            } else {
+                m.entry(k, &self.0[k]);
+            }
+        }
+        m.finish()
+    }
+}
+
+impl std::fmt::Debug for NodePublishVolumeRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodePublishVolumeRequest")
+            .field("volume_id", &self.volume_id)
+            .field("publish_context", &self.publish_context)
+            .field("staging_target_path", &self.staging_target_path)
+            .field("target_path", &self.target_path)
+            .field("volume_capability", &self.volume_capability)
+            .field("readonly", &self.readonly)
+            .field("volume_context", &Context(&self.volume_context))
+            .field("secrets", &Redacted(&self.secrets))
+            .finish()
+    }
 }
 
 #[cfg(test)]
@@ -66,11 +99,20 @@ mod tests {
         let req = NodePublishVolumeRequest {
             volume_id: "bkt".into(),
             secrets: [("secretAccessKey".to_string(), "s3cr3t-value".to_string())].into(),
+            volume_context: [(
+                crate::config::volume::CTX_TOKENS.to_string(),
+                r#"{"sts.amazonaws.com":{"token":"eyJhbGciOi-jwt"}}"#.to_string(),
+            )]
+            .into(),
             ..Default::default()
         };
         let text = format!("{req:?}");
         assert!(
             text.contains("secretAccessKey") && !text.contains("s3cr3t-value"),
+            "{text}"
+        );
+        assert!(
+            text.contains("serviceAccount.tokens") && !text.contains("eyJhbGciOi"),
             "{text}"
         );
     }

@@ -7,7 +7,8 @@ use super::handoff;
 use super::kernel::{Kernel, ProbeError, Usage, PROBE_TIMEOUT};
 use super::state::MountRecord;
 use super::{
-    blocking, key_for, FailureKind, MountError, MountRequest, MountStatus, Mounter, Timeouts,
+    blocking, key_for, FailureKind, MountError, MountRequest, MountStatus, Mounter, PodCredentials,
+    Timeouts,
 };
 use async_trait::async_trait;
 use std::collections::HashMap;
@@ -336,6 +337,8 @@ impl MountManager {
                 kernel: handoff::KernelMount::default(),
                 // The link to a kept cache is in the handoff directory already.
                 keep_cache: false,
+                // Its token is in the handoff directory, its variables in `env`.
+                pod_credentials: None,
             });
             tracing::info!(
                 volume_id,
@@ -530,6 +533,16 @@ impl Mounter for MountManager {
         if req.keep_cache {
             self.keep_cache(&req.volume_id, &dir)?;
         }
+        let mut req = req;
+        if let Some(c) = &req.pod_credentials {
+            let env = c.install(&dir).map_err(|e| {
+                MountError::other(format!(
+                    "cannot write the pod's token into {}: {e}",
+                    dir.display()
+                ))
+            })?;
+            req.env.extend(env);
+        }
         handoff::clear_failure(&dir);
         let m = match self.backend.start(&req, &dir, false, 0).await {
             Ok(m) => m,
@@ -605,6 +618,24 @@ impl Mounter for MountManager {
 
     fn usage(&self, target: &Path) -> Result<Usage, ProbeError> {
         self.kernel.usage_within(target, PROBE_TIMEOUT)
+    }
+
+    async fn refresh(&self, target: &Path, c: &PodCredentials) -> Result<(), MountError> {
+        let dir = self
+            .mounts
+            .lock()
+            .unwrap()
+            .get(target)
+            .map(|t| t.handoff_dir.clone());
+        if let Some(dir) = dir {
+            c.write_token(&dir).map_err(|e| {
+                MountError::other(format!(
+                    "cannot write the pod's token into {}: {e}",
+                    dir.display()
+                ))
+            })?;
+        }
+        Ok(())
     }
 
     fn status(&self, target: &Path) -> MountStatus {

@@ -28,6 +28,7 @@ pub mod kernel;
 mod manager;
 pub mod mountinfo;
 pub mod pod;
+pub mod pod_credentials;
 pub mod pod_status;
 pub mod process;
 mod shared;
@@ -42,6 +43,7 @@ use std::time::Duration;
 
 pub use manager::MountManager;
 pub use mountinfo::MountEntry;
+pub use pod_credentials::PodCredentials;
 pub use shared::SharedMounts;
 
 /// One mount to start.
@@ -62,12 +64,16 @@ pub struct MountRequest {
     /// The volume's data cache lives beside the node's state, not in the mount's handoff
     /// directory, and outlives its unpublish (`keepCache`; see `MountManager::keep_cache`).
     pub keep_cache: bool,
+    /// The workload pod's credentials (`authenticationSource: pod`): its token goes into
+    /// the mount's handoff directory and its variables into `env` when the mounter starts.
+    pub pod_credentials: Option<PodCredentials>,
 }
 
 impl MountRequest {
     /// What publishes must agree on to share one mounter (see [`shared`]): the volume, its
     /// source, every mount option (the uid and gid fsGroup gives among them), how the
-    /// kernel mounts it (read-only-ness), whether its cache is kept, and the credentials.
+    /// kernel mounts it (read-only-ness), whether its cache is kept, and the credentials
+    /// (for a pod's own, its service account and role, not its token).
     /// A SHA-256 of all that, so that the name (a directory on the node) says nothing of
     /// the credentials (the record beside the mount names the volume).
     pub fn share_key(&self) -> String {
@@ -94,6 +100,9 @@ impl MountRequest {
             part(name.as_bytes());
             part(value.as_bytes());
         }
+        if let Some(c) = &self.pod_credentials {
+            part(c.identity().as_bytes());
+        }
         let digest = h.finalize();
         let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
         format!("v-{hex}")
@@ -108,6 +117,7 @@ impl std::fmt::Debug for MountRequest {
             .field("source", &self.source)
             .field("args", &self.args)
             .field("env", &self.env.iter().map(|(k, _)| *k).collect::<Vec<_>>())
+            .field("pod_credentials", &self.pod_credentials)
             .finish()
     }
 }
@@ -175,6 +185,9 @@ pub trait Mounter: Send + Sync + 'static {
     /// What statvfs says of the mount on `target`, giving up after a few seconds (a
     /// mount whose mounter does not answer would make it wait). Blocks.
     fn usage(&self, target: &Path) -> Result<kernel::Usage, kernel::ProbeError>;
+    /// Gives the mounter serving `target` the workload's newer token (kubelet republishes
+    /// with a fresh one, `requiresRepublish`). OK when nothing is mounted there.
+    async fn refresh(&self, target: &Path, credentials: &PodCredentials) -> Result<(), MountError>;
 }
 
 /// How often the supervisor looks for dead mounters.

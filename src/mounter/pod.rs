@@ -179,7 +179,7 @@ pub struct PodLauncher {
 const INSPECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Credentials that may be handed to a mounter, as environment variable names.
-use super::process::CREDENTIAL_KEYS;
+use super::process::{mount_credential_keys, CREDENTIAL_KEYS};
 
 fn api_error(what: &str, e: kube::Error) -> MountError {
     let kind = match &e {
@@ -290,8 +290,7 @@ impl PodLauncher {
         args.push(req.source.clone());
         args.push(req.target.to_string_lossy().into_owned());
         let env: Vec<serde_json::Value> = match secret {
-            Some(name) => CREDENTIAL_KEYS
-                .iter()
+            Some(name) => mount_credential_keys()
                 .map(|k| {
                     json!({"name": k, "valueFrom": {"secretKeyRef": {
                         "name": name, "key": k, "optional": true}}})
@@ -374,7 +373,7 @@ impl PodLauncher {
         let name = Self::secret_name(mount);
         let data: BTreeMap<&str, &str> = env
             .iter()
-            .filter(|(k, _)| CREDENTIAL_KEYS.contains(k))
+            .filter(|(k, _)| mount_credential_keys().any(|c| c == *k))
             .map(|(k, v)| (*k, v.as_str()))
             .collect();
         let secret: Secret = serde_json::from_value(json!({

@@ -19,6 +19,14 @@ pub const CREDENTIAL_KEYS: [&str; 3] = [
     "AWS_SESSION_TOKEN",
 ];
 
+/// Every variable a mount's own credentials may set: static keys, or a pod's token
+/// exchange ([`super::pod_credentials::VARIABLES`]).
+pub fn mount_credential_keys() -> impl Iterator<Item = &'static str> {
+    CREDENTIAL_KEYS
+        .into_iter()
+        .chain(super::pod_credentials::VARIABLES)
+}
+
 pub struct ProcessBackend {
     /// The s3csi binary to run as `bin mount ...`.
     bin: PathBuf,
@@ -67,10 +75,9 @@ fn credentials_of(pid: u32) -> Vec<(&'static str, String)> {
     raw.split(|b| *b == 0)
         .filter_map(|kv| std::str::from_utf8(kv).ok()?.split_once('='))
         .filter_map(|(k, v)| {
-            CREDENTIAL_KEYS
-                .iter()
-                .find(|key| **key == k)
-                .map(|key| (*key, v.to_string()))
+            mount_credential_keys()
+                .find(|key| *key == k)
+                .map(|key| (key, v.to_string()))
         })
         .collect()
 }
@@ -137,11 +144,12 @@ impl MounterBackend for ProcessBackend {
             .stderr(logf)
             .kill_on_drop(false);
         if !req.env.is_empty() {
-            // Given credentials replace the node's, including a stale session token.
-            cmd.env_remove("AWS_SESSION_TOKEN")
-                .env_remove("AWS_PROFILE")
-                .env_remove("AWS_WEB_IDENTITY_TOKEN_FILE")
-                .env_remove("AWS_ROLE_ARN");
+            // Given credentials replace the node's, including a stale session token, and
+            // a pod's token exchange must not lose to the node's static keys.
+            cmd.env_remove("AWS_PROFILE");
+            for k in mount_credential_keys() {
+                cmd.env_remove(k);
+            }
             for (k, v) in &req.env {
                 cmd.env(k, v);
             }

@@ -13,6 +13,7 @@
 use super::kernel::{ProbeError, Usage};
 use super::{
     blocking, write_private, MountError, MountManager, MountRequest, MountStatus, Mounter,
+    PodCredentials,
 };
 use async_trait::async_trait;
 use std::collections::{BTreeSet, HashMap};
@@ -252,6 +253,9 @@ impl Mounter for SharedMounts {
                 volume_id: req.volume_id.clone(),
                 targets: BTreeSet::new(),
             });
+        } else if let Some(c) = &req.pod_credentials {
+            // Another pod of the same service account: its token is the newer one.
+            self.inner.refresh(&primary, c).await?;
         }
         if let Err(e) = self.inner.kernel.bind(&primary, &req.target) {
             let unused = self
@@ -333,5 +337,12 @@ impl Mounter for SharedMounts {
 
     fn usage(&self, target: &Path) -> Result<Usage, ProbeError> {
         self.inner.usage(target)
+    }
+
+    async fn refresh(&self, target: &Path, c: &PodCredentials) -> Result<(), MountError> {
+        match self.share_of(target) {
+            Some((key, _)) => self.inner.refresh(&self.primary(&key), c).await,
+            None => self.inner.refresh(target, c).await,
+        }
     }
 }

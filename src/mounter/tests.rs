@@ -283,6 +283,7 @@ impl Node {
                 ..Default::default()
             },
             keep_cache: false,
+            pod_credentials: None,
         }
     }
 
@@ -515,13 +516,15 @@ fn publishes_share_a_mounter_only_when_everything_that_shapes_the_mount_agrees()
     let mut b = a.clone();
     b.target = node.target("b");
     assert_eq!(a.share_key(), b.share_key(), "the target is not in the key");
-    let variants: [fn(&mut MountRequest); 6] = [
+    let variants: [fn(&mut MountRequest); 8] = [
         |r| r.volume_id = "vol-other".into(),
         |r| r.source = "bucket:other".into(),
         |r| r.args = vec!["--uid".into(), "2000".into()],
         |r| r.kernel.read_only = true,
         |r| r.keep_cache = true,
         |r| r.env = vec![("AWS_SECRET_ACCESS_KEY", "another-secret".into())],
+        |r| r.pod_credentials = Some(pod_credentials("team-a/reader", "role/a", "t1")),
+        |r| r.pod_credentials = Some(pod_credentials("team-b/writer", "role/a", "t1")),
     ];
     for change in variants {
         let mut other = a.clone();
@@ -530,6 +533,32 @@ fn publishes_share_a_mounter_only_when_everything_that_shapes_the_mount_agrees()
     }
     let key = a.share_key();
     assert!(key.starts_with("v-") && key.len() == 18, "{key}");
+    // Pods of one service account share, whatever their tokens; another role does not.
+    let with = |sa: &str, role: &str, token: &str| {
+        let mut r = a.clone();
+        r.pod_credentials = Some(pod_credentials(sa, role, token));
+        r.share_key()
+    };
+    assert_eq!(
+        with("team-a/reader", "role/a", "t1"),
+        with("team-a/reader", "role/a", "t2")
+    );
+    assert_ne!(
+        with("team-a/reader", "role/a", "t1"),
+        with("team-a/reader", "role/b", "t1")
+    );
+}
+
+fn pod_credentials(account: &str, role: &str, token: &str) -> super::PodCredentials {
+    super::PodCredentials::new(
+        account.into(),
+        super::pod_credentials::TokenExchange::WebIdentity {
+            role_arn: format!("arn:aws:iam::1:{role}"),
+            session_name: "s3csi-test".into(),
+            sts_endpoint_url: None,
+        },
+        token.into(),
+    )
 }
 
 fn shared(node: &Node, manager: &Arc<MountManager>) -> SharedMounts {

@@ -365,25 +365,86 @@ def test_csidriver_spec(case) -> None:
         "attachRequired": False,
         "podInfoOnMount": True,
         "fsGroupPolicy": "File",
-        "requiresRepublish": False,
+        "tokenRequests": [
+            {"audience": "sts.amazonaws.com", "expirationSeconds": 3600},
+            {"audience": "pods.eks.amazonaws.com", "expirationSeconds": 3600},
+        ],
+        "requiresRepublish": True,
         "volumeLifecycleModes": ["Persistent"],
     }
+
+
+def test_pod_credentials_can_be_turned_off_and_grant_only_get_on_serviceaccounts() -> None:
+    on = render_objects({})
+    role = one(
+        [o for o in find(on, "ClusterRole") if o["metadata"]["name"].endswith("-pod-credentials")],
+        "ClusterRole",
+    )
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["serviceaccounts"], "verbs": ["get"]}
+    ]
+    binding = [
+        b
+        for b in find(on, "ClusterRoleBinding")
+        if b["roleRef"]["name"] == role["metadata"]["name"]
+    ]
+    assert len(binding) == 1
+    node_sa = node_pod(on)["serviceAccountName"]
+    assert binding[0]["subjects"] == [
+        {"kind": "ServiceAccount", "name": node_sa, "namespace": binding[0]["subjects"][0]["namespace"]}
+    ]
+    off = render_objects({"podCredentials": {"enabled": False}})
+    spec = one(off, "CSIDriver")["spec"]
+    assert "tokenRequests" not in spec and spec["requiresRepublish"] is False
+    spec = one(render_objects({"podCredentials": {"enabled": False}}, kube_version="v1.20.2"),
+               "CSIDriver")["spec"]
+    assert "tokenRequests" not in spec and "requiresRepublish" not in spec
+    assert not [
+        o for o in find(off, "ClusterRole") if o["metadata"]["name"].endswith("-pod-credentials")
+    ]
+    custom = render_objects(
+        {"podCredentials": {"audiences": ["sts.example.com"], "expirationSeconds": 900}}
+    )
+    assert one(custom, "CSIDriver")["spec"]["tokenRequests"] == [
+        {"audience": "sts.example.com", "expirationSeconds": 900}
+    ]
+
+
+def test_storage_classes_pass_the_authentication_source_on() -> None:
+    objects = render_objects(
+        {
+            "storageClasses": [
+                {
+                    "name": "tenant",
+                    "bucket": "bucket-b",
+                    "authenticationSource": "pod",
+                    "stsEndpointUrl": "https://sts.example.com",
+                },
+                {"name": "shared", "bucket": "bucket-b"},
+            ]
+        }
+    )
+    by_name = {sc["metadata"]["name"]: sc for sc in find(objects, "StorageClass")}
+    assert by_name["tenant"]["parameters"]["authenticationSource"] == "pod"
+    assert by_name["tenant"]["parameters"]["stsEndpointUrl"] == "https://sts.example.com"
+    assert "authenticationSource" not in by_name["shared"]["parameters"]
 
 
 @pytest.mark.parametrize(
     "kube_version, fs_group_policy, requires_republish",
     [
         # 1.20: no fsGroup delegation to CSI drivers, so "File" would make the kubelet chown
-        # every object; requiresRepublish is an alpha field there (CSIServiceAccountToken).
-        ("v1.20.2", "None", None),
-        ("v1.20.0", "None", None),
-        ("v1.20.15-eks-1234abc", "None", None),  # vendor builds: pre-release semver
-        ("v1.21.0", "None", False),
-        ("v1.25.16", "None", False),
+        # every object; requiresRepublish and tokenRequests are alpha fields there
+        # (CSIServiceAccountToken), dropped by an API server without the gate.
+        ("v1.20.2", "None", True),
+        ("v1.20.0", "None", True),
+        ("v1.20.15-eks-1234abc", "None", True),  # vendor builds: pre-release semver
+        ("v1.21.0", "None", True),
+        ("v1.25.16", "None", True),
         # 1.26: DelegateFSGroupToCSIDriver is GA, the kubelet passes fsGroup to the driver.
-        ("v1.26.0", "File", False),
-        ("v1.26.0-gke.100", "File", False),
-        ("v1.37.0", "File", False),
+        ("v1.26.0", "File", True),
+        ("v1.26.0-gke.100", "File", True),
+        ("v1.37.0", "File", True),
     ],
 )
 def test_csidriver_spec_follows_the_kubernetes_version(
@@ -781,10 +842,12 @@ def test_node_service_rbac_only_in_pod_mode(case) -> None:
     name, values, objects = case
     node_sa = node_pod(objects)["serviceAccountName"]
     rbac_kinds = {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+    # The pod-credentials grant (get serviceaccounts) is in every mode; see its own test.
     node_rbac = [
         o for o in objects
         if o["kind"] in rbac_kinds
         and o["metadata"]["labels"]["app.kubernetes.io/component"] == "node"
+        and not o["metadata"]["name"].endswith("-pod-credentials")
     ]
     if not pod_mode(values):
         assert node_rbac == [], name
@@ -848,8 +911,9 @@ def test_process_mode_renders_no_mounter_objects() -> None:
     assert find(objects, "ClusterRole", "s3csi-node") == []
     assert find(objects, "ClusterRoleBinding", "s3csi-node") == []
     assert find(objects, "ServiceAccount", "s3csi-mounter") == []
-    # The only RBAC left is the provisioner's.
-    assert {o["metadata"]["name"] for o in find(objects, "ClusterRole")} == {"s3csi-provisioner"}
+    # The only RBAC left is the provisioner's, and the node's read of ServiceAccounts.
+    assert {o["metadata"]["name"] for o in find(objects, "ClusterRole")} == {
+        "s3csi-provisioner", "s3csi-pod-credentials"}
     notes = render_chart(values)["s3csi/templates/NOTES.txt"]
     assert "mounter.mode: process" in notes and "WARNING" not in notes
 
@@ -1272,7 +1336,9 @@ def test_node_only_install_renders_no_controller() -> None:
         "s3csi-node", "s3csi-mounter"}
     assert _component_objects(objects, "node") == [
         ("ClusterRole", "s3csi-node"),
+        ("ClusterRole", "s3csi-pod-credentials"),
         ("ClusterRoleBinding", "s3csi-node"),
+        ("ClusterRoleBinding", "s3csi-pod-credentials"),
         ("DaemonSet", "s3csi-node"),
         ("Role", "s3csi-mounters"),
         ("RoleBinding", "s3csi-mounters"),
@@ -1286,6 +1352,10 @@ def test_node_only_install_renders_no_controller() -> None:
 
 def test_node_only_install_in_process_mode() -> None:
     objects = render_objects({"controller": {"enabled": False}, "mounter": {"mode": "process"}})
+    assert sorted(o["kind"] for o in objects) == [
+        "CSIDriver", "ClusterRole", "ClusterRoleBinding", "DaemonSet", "ServiceAccount"]
+    objects = render_objects({"controller": {"enabled": False}, "mounter": {"mode": "process"},
+                              "podCredentials": {"enabled": False}})
     assert sorted(o["kind"] for o in objects) == ["CSIDriver", "DaemonSet", "ServiceAccount"]
 
 

@@ -148,6 +148,9 @@ makeIPTablesUtilChains: false
 evictionHard: {memory.available: 100Mi, nodefs.available: 2%, imagefs.available: 2%}
 imageGCHighThresholdPercent: 99
 imageGCLowThresholdPercent: 98
+# 1.20: kubelet requests service-account tokens for CSI drivers (tokenRequests; pod-level
+# credentials) only with this alpha gate, which the API server has on too.
+featureGates: {CSIServiceAccountToken: true}
 EOF
 }
 
@@ -173,7 +176,8 @@ up() {
     --token-auth-file="$PKI/tokens.csv" --authorization-mode=Node,RBAC --enable-admission-plugins=NodeRestriction \
     --service-cluster-ip-range=10.96.0.0/16 --service-account-key-file="$PKI/sa.pub" \
     --service-account-signing-key-file="$PKI/sa.key" --service-account-issuer=https://kubernetes.default.svc \
-    --allow-privileged=true --cert-dir="$W/var/apiserver" --profiling=false --kubelet-preferred-address-types=InternalIP
+    --allow-privileged=true --cert-dir="$W/var/apiserver" --profiling=false --kubelet-preferred-address-types=InternalIP \
+    --feature-gates=CSIServiceAccountToken=true
   wait_for 90 "$KUBECTL get --raw /readyz"
   start kube-controller-manager "$BIN/kube-controller-manager" --kubeconfig="$CFG/kcm.kubeconfig" \
     --bind-address=127.0.0.1 --port=0 --secure-port=0 --leader-elect=false --root-ca-file="$PKI/ca.crt" \

@@ -4,8 +4,9 @@ static and dynamic volumes, pod-mode mounters and every crash story. Each prints
 (`[e2e] ...: N s`). They run in file order and share the install: scenario 2's workload pod is
 the one scenarios 4-6 crash things under.
 
-Scenario 8 of the issue (two pods on one PVC share one mounter; pod-level credentials) is
-not here: mounter sharing and pod-level credentials do not exist yet.
+Scenario 8 (two pods on one PVC share one mounter) and 8b (pod-level credentials: kubelet's
+service-account tokens, exchanged at moto's STS for the role annotated on each pod's
+ServiceAccount) close the issue's list.
 """
 
 from __future__ import annotations
@@ -467,6 +468,135 @@ def test_8_two_pods_share_a_mounter(release: Release, s3: S3) -> None:
     t0 = time.monotonic()
     wait_for(lambda: not any_mounter_pods(), 60, "the shared mounter pod deleted")
     timing("8. the shared mounter pod gone after the last pod", time.monotonic() - t0)
+
+
+def _moto() -> tuple[subprocess.Popen, str]:
+    """A moto server (S3 and STS) on a free loopback port, for scenario 8b."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = open(kube.W / "log" / "moto.log", "w")
+    proc = subprocess.Popen(["python3", "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=log, stderr=log)
+    endpoint = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            import urllib.request
+            urllib.request.urlopen(endpoint + "/moto-api/", timeout=1)
+            return True
+        except Exception:
+            return False
+    wait_for(up, 60, "moto serving")
+    return proc, endpoint
+
+
+def _jwt_claims(token: str) -> dict[str, Any]:
+    import base64
+    payload = token.split(".")[1]
+    return json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+
+
+def test_8b_pod_credentials(release: Release) -> None:
+    """A volume with authenticationSource: pod. kubelet hands each publish a token of the
+    pod's ServiceAccount (tokenRequests); the node plugin reads the role annotated on that
+    account, and the pod's mounter (its own Pod, which has no credentials of its own)
+    exchanges the token at STS for the role's session. Pods of one account share a
+    mounter, another account gets its own; the token is a 0600 file, in no Kubernetes
+    object; kubelet republishes (requiresRepublish) and the token is rewritten."""
+    import boto3
+    proc, endpoint = _moto()
+    try:
+        bucket = "e2e-tenants"
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                     aws_access_key_id="moto", aws_secret_access_key="moto"
+                     ).create_bucket(Bucket=bucket)
+        roles = {"tenant-a": "arn:aws:iam::123456789012:role/tenant-a",
+                 "tenant-b": "arn:aws:iam::123456789012:role/tenant-b"}
+        kube.apply([
+            {"apiVersion": "v1", "kind": "ServiceAccount",
+             "metadata": {"name": sa, "namespace": "default",
+                          "annotations": {"eks.amazonaws.com/role-arn": role}}}
+            for sa, role in roles.items()
+        ] + [
+            {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": "e2e-tenants"},
+             "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
+                      "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
+                      "claimRef": {"namespace": "default", "name": "tenants"},
+                      "csi": {"driver": DRIVER, "volumeHandle": bucket,
+                              "volumeAttributes": {
+                                  "authenticationSource": "pod", "endpointUrl": endpoint,
+                                  "stsEndpointUrl": endpoint, "region": "us-east-1",
+                                  "forcePathStyle": "true"}}}}])
+        wait_for(lambda: get("pv", "e2e-tenants")["status"].get("phase") == "Available", 30,
+                 "the tenants PV Available")
+        kube.apply([claim("tenants", "", "e2e-tenants")])
+        wait_for(lambda: get("pvc", "tenants", "default")["status"].get("phase") == "Bound", 30,
+                 "the tenants claim Bound")
+        pods = {"t8a": "tenant-a", "t8a2": "tenant-a", "t8b": "tenant-b"}
+        manifests = []
+        for name, sa in pods.items():
+            w = workload(name, "tenants", IDLE)
+            w["spec"]["serviceAccountName"] = sa
+            manifests.append(w)
+        t0 = time.monotonic()
+        kube.apply(manifests)
+        for name in pods:
+            running(name)
+        timing("8b. three pods of two service accounts Running", time.monotonic() - t0)
+        assert exec_in("t8a", "echo from tenant a > /data/a.txt && cat /data/a.txt") == \
+            "from tenant a\n"
+        assert exec_in("t8a2", "cat /data/a.txt") == "from tenant a\n"
+        assert exec_in("t8b", "cat /data/a.txt && echo b > /data/b.txt && cat /data/b.txt") == \
+            "from tenant a\nb\n"
+        mine = [p for p in mounter_pods()
+                if p["metadata"]["annotations"].get("s3csi.dev/volume-id") == bucket]
+        assert len(mine) == 2, [p["metadata"]["name"] for p in mine]
+        secrets = get("secrets", ns=NS, selector="app.kubernetes.io/name=s3csi-mounter")
+        import base64
+        data = [{k: base64.b64decode(v).decode() for k, v in (s.get("data") or {}).items()}
+                for s in secrets]
+        tenant = [d for d in data if "AWS_ROLE_ARN" in d]
+        assert sorted(d["AWS_ROLE_ARN"] for d in tenant) == sorted(roles.values()), tenant
+        for d in tenant:
+            assert "AWS_ACCESS_KEY_ID" not in d and d["AWS_WEB_IDENTITY_TOKEN_FILE"].endswith(
+                "/pod-token"), d
+        # The token: kubelet's, for this pod's account and STS's audience, a private file.
+        files = {d["AWS_ROLE_ARN"]: Path(d["AWS_WEB_IDENTITY_TOKEN_FILE"]) for d in tenant}
+        for sa, role in roles.items():
+            f = files[role]
+            assert f.stat().st_mode & 0o777 == 0o600
+            claims = _jwt_claims(f.read_text())
+            assert claims["sub"] == f"system:serviceaccount:default:{sa}", claims
+            assert "sts.amazonaws.com" in claims["aud"], claims
+            token = f.read_text()
+            for obj in ("pods", "secrets"):
+                assert token not in kubectl("get", obj, "-A", "-o", "json")
+            assert token not in node_logs(release.node_pod())
+        print(f"[e2e] 8b. mounter pods {[p['metadata']['name'] for p in mine]} for roles "
+              f"{sorted(roles.values())}")
+        # kubelet republishes each volume with a fresh token request about once a minute.
+        t0 = time.monotonic()
+        wait_for(lambda: "refreshed the pod's token" in node_logs(release.node_pod()), 240,
+                 "a republish of a pod-credentials volume")
+        timing("8b. first republish with the pod's token", time.monotonic() - t0)
+        # Another mounter wrote it: seen once tenant a's metadata TTL has passed.
+        wait_for(lambda: kubectl("exec", "-n", "default", "t8a2", "--", "cat", "/data/b.txt",
+                                 check=False) == "b\n", 30, "b.txt seen from the other mounter")
+        for name in pods:
+            gone_after_delete(name, 10)
+        wait_for(lambda: not [p for p in any_mounter_pods()
+                              if p in {m["metadata"]["name"] for m in mine}], 60,
+                 "the tenants' mounter pods deleted")
+        for f in files.values():
+            assert not f.exists(), f
+    finally:
+        for kind, name in (("pvc", "tenants"), ("pv", "e2e-tenants"),
+                           ("serviceaccount", "tenant-a"), ("serviceaccount", "tenant-b")):
+            kube.delete(kind, name, "default" if kind != "pv" else None)
+        proc.terminate()
+        proc.wait(timeout=20)
 
 
 def test_9_nothing_left_on_the_node(release: Release) -> None:

@@ -638,3 +638,362 @@ fn expired_session_token_answer_from_s3_gives_eacces_without_retries() {
          in {took_list:?}, write+close errno {e} in {took_write:?}"
     );
 }
+
+/// Roles of the pod-credentials tests: two allowed on the bucket, one allowed nothing.
+pub const ROLE_READER: &str = "arn:aws:iam::123456789012:role/team-a-reader";
+pub const ROLE_WRITER: &str = "arn:aws:iam::123456789012:role/team-b-writer";
+pub const ROLE_DENIED: &str = "arn:aws:iam::123456789012:role/no-s3";
+pub const ROLE_ANNOTATION: &str = "eks.amazonaws.com/role-arn";
+
+/// What the proxy of [`role_proxy`] saw.
+#[derive(Default)]
+pub struct Sessions {
+    /// (role, token) of each AssumeRoleWithWebIdentity, in order.
+    pub assumed: Vec<(String, String)>,
+    /// The role each issued access key id belongs to.
+    pub role_of_key: std::collections::HashMap<String, String>,
+    /// (role, or "" for a key STS did not issue) of each signed S3 request.
+    pub s3_roles: Vec<String>,
+}
+
+/// A proxy to the shared moto for S3 and STS that stands in for IAM: moto 5.2.1 cannot
+/// enforce policies on web identity sessions (with authentication on it fails unsigned
+/// STS calls, and ListObjectsV2 with a delimiter), so the proxy forwards each
+/// AssumeRoleWithWebIdentity itself, learns which access key id STS issued for which
+/// role, and answers every S3 request signed by a session of [`ROLE_DENIED`] with 403
+/// AccessDenied, as IAM would for a role without an S3 policy. Sessions last
+/// [`SESSION_SECS`].
+pub fn role_proxy() -> (Arc<FaultProxy>, Arc<Mutex<Sessions>>) {
+    let proxy = FaultProxy::start(&s3().endpoint, 1);
+    let seen = Arc::new(Mutex::new(Sessions::default()));
+    let log = seen.clone();
+    let upstream = s3().endpoint.clone();
+    proxy.set_hook(move |req, headers, body| {
+        if req.method == "POST"
+            && form_param(body, "Action").as_deref() == Some("AssumeRoleWithWebIdentity")
+        {
+            let role = form_param(body, "RoleArn").unwrap_or_default();
+            let token = form_param(body, "WebIdentityToken").unwrap_or_default();
+            body.extend_from_slice(format!("&DurationSeconds={SESSION_SECS}").as_bytes());
+            // The hook runs on the proxy's runtime: let its other connections go on (one
+            // may be sending moto a body that moto waits for before it answers STS).
+            let out = tokio::task::block_in_place(|| {
+                std::process::Command::new("curl")
+                    .args(["-s", "--max-time", "10"])
+                    .args(["-H", "Content-Type: application/x-www-form-urlencoded"])
+                    .arg("--data-binary")
+                    .arg(String::from_utf8_lossy(body).to_string())
+                    .arg(format!("{upstream}/"))
+                    .output()
+                    .expect("curl")
+            });
+            let xml = String::from_utf8_lossy(&out.stdout).to_string();
+            let mut s = log.lock().unwrap();
+            s.assumed.push((role.clone(), token));
+            if xml.contains("<AccessKeyId>") {
+                s.role_of_key.insert(xml_field(&xml, "AccessKeyId"), role);
+            }
+            return Some(xml_answer("200 OK", &xml, &req.method));
+        }
+        let key = access_key_of(headers)?;
+        let mut s = log.lock().unwrap();
+        let role = s.role_of_key.get(&key).cloned().unwrap_or_default();
+        s.s3_roles.push(role.clone());
+        (role == ROLE_DENIED).then(|| {
+            xml_answer(
+                "403 Forbidden",
+                "<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>AccessDenied</Code>\
+                 <Message>User: arn:aws:sts::123456789012:assumed-role/no-s3 is not \
+                 authorized to perform this action</Message><RequestId>CREDTEST</RequestId>\
+                 </Error>",
+                &req.method,
+            )
+        })
+    });
+    (proxy, seen)
+}
+
+/// A publish as kubelet sends it for a volume with `authenticationSource: pod`, through
+/// `endpoint` (a [`role_proxy`]) for S3 and STS: pod info, and the pod's token for STS
+/// unless `token` is `None`.
+pub fn pod_publish_req(
+    bucket: &str,
+    target: &Path,
+    endpoint: &str,
+    (pod, namespace, service_account): (&str, &str, &str),
+    token: Option<&str>,
+) -> s3csi::csi::pb::NodePublishVolumeRequest {
+    let mut req = common::node_service::publish_req(bucket, target);
+    let ctx = &mut req.volume_context;
+    ctx.insert("endpointUrl".into(), endpoint.into());
+    ctx.insert("authenticationSource".into(), "pod".into());
+    ctx.insert("stsEndpointUrl".into(), endpoint.into());
+    ctx.insert("csi.storage.k8s.io/pod.name".into(), pod.into());
+    ctx.insert("csi.storage.k8s.io/pod.namespace".into(), namespace.into());
+    ctx.insert(
+        "csi.storage.k8s.io/serviceAccount.name".into(),
+        service_account.into(),
+    );
+    if let Some(t) = token {
+        ctx.insert(
+            "csi.storage.k8s.io/serviceAccount.tokens".into(),
+            format!(
+                r#"{{"sts.amazonaws.com":{{"token":"{t}","expirationTimestamp":"2030-01-01T00:00:00Z"}}}}"#
+            ),
+        );
+    }
+    req
+}
+
+/// Files named `name` below `dir`.
+pub fn files_named(dir: &Path, name: &str) -> Vec<std::path::PathBuf> {
+    let mut out = vec![];
+    let Ok(entries) = fs::read_dir(dir) else {
+        return out;
+    };
+    for e in entries.flatten() {
+        let p = e.path();
+        if p.is_dir() && !p.is_symlink() {
+            out.extend(files_named(&p, name));
+        } else if p.file_name().is_some_and(|n| n == name) {
+            out.push(p);
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pod_credentials_give_each_service_account_its_own_role_and_mounter() {
+    use common::fake_kube::FakeKube;
+    use common::node_service::CsiServer;
+    use s3csi::csi::pb;
+    use tonic::Code;
+
+    let dir = scratch_dir("pod-credentials");
+    let kube = FakeKube::start(&dir, "test-node", s3csi_bin());
+    let annotation = ROLE_ANNOTATION;
+    kube.insert_service_account("team-a", "reader", &[(annotation, ROLE_READER)]);
+    kube.insert_service_account("team-b", "writer", &[(annotation, ROLE_WRITER)]);
+    kube.insert_service_account("team-c", "intruder", &[(annotation, ROLE_DENIED)]);
+    kube.insert_service_account("team-d", "plain", &[]);
+    let (proxy, seen) = role_proxy();
+    let endpoint = proxy.endpoint();
+    // The node service keeps the test's static keys in its environment: a pod's mounter
+    // must not use them.
+    let server = CsiServer::options(dir.clone())
+        .env("KUBECONFIG", &kube.kubeconfig.to_string_lossy())
+        .start();
+    let mut node = server.node().await;
+    let bucket = new_bucket("pod-credentials");
+    let pid = std::process::id();
+    let token = |who: &str| format!("eyJ-{who}-{pid}");
+    let publish = |pod: &str, ns: &str, sa: &str, tok: Option<&str>| {
+        pod_publish_req(&bucket, &server.target(pod), &endpoint, (pod, ns, sa), tok)
+    };
+    let target = |pod: &str| server.target(pod);
+
+    // Two pods of one service account: one mounter, with their role.
+    for pod in ["reader-0", "reader-1"] {
+        node.node_publish_volume(publish(pod, "team-a", "reader", Some(&token(pod))))
+            .await
+            .unwrap_or_else(|e| panic!("publish {pod}: {e}\n{}", server.log_text()));
+    }
+    assert_eq!(
+        server.mounter_pids().len(),
+        1,
+        "one service account, one mounter"
+    );
+    fs::write(target("reader-0").join("a.txt"), b"from team a").unwrap();
+    assert_eq!(
+        fs::read(target("reader-1").join("a.txt")).unwrap(),
+        b"from team a"
+    );
+    let in_s3 = tokio::task::block_in_place(|| s3_get(&bucket, "a.txt"));
+    assert_eq!(in_s3.unwrap(), b"from team a");
+
+    // Another service account with another role: a mounter of its own.
+    node.node_publish_volume(publish(
+        "writer-0",
+        "team-b",
+        "writer",
+        Some(&token("writer-0")),
+    ))
+    .await
+    .unwrap_or_else(|e| panic!("publish writer-0: {e}\n{}", server.log_text()));
+    assert_eq!(server.mounter_pids().len(), 2, "two roles, two mounters");
+    assert_eq!(
+        fs::read(target("writer-0").join("a.txt")).unwrap(),
+        b"from team a"
+    );
+    fs::write(target("writer-0").join("b.txt"), b"from team b").unwrap();
+
+    {
+        let s = seen.lock().unwrap();
+        let roles: std::collections::BTreeSet<&str> =
+            s.assumed.iter().map(|(r, _)| r.as_str()).collect();
+        assert_eq!(roles, [ROLE_READER, ROLE_WRITER].into(), "{:?}", s.assumed);
+        for (role, tok) in &s.assumed {
+            let expected = if role == ROLE_READER {
+                "reader"
+            } else {
+                "writer-0"
+            };
+            assert!(tok.contains(expected), "{role} assumed with {tok}");
+        }
+        assert!(!s.s3_roles.is_empty());
+        assert!(
+            s.s3_roles
+                .iter()
+                .all(|r| r == ROLE_READER || r == ROLE_WRITER),
+            "S3 requests signed with keys STS did not issue (the node's own?): {:?}",
+            s.s3_roles
+        );
+    }
+
+    // A role that may not use the bucket: PermissionDenied, and no mounter left behind.
+    let err = node
+        .node_publish_volume(publish(
+            "intruder-0",
+            "team-c",
+            "intruder",
+            Some(&token("intruder-0")),
+        ))
+        .await
+        .expect_err("a role without S3 access");
+    assert_eq!(err.code(), Code::PermissionDenied, "{err:?}");
+    assert!(err.message().contains("AccessDenied"), "{}", err.message());
+    assert_eq!(server.mounter_pids().len(), 2);
+    assert!(!target("intruder-0").exists());
+
+    // No role on the service account; no token from kubelet; secrets as well.
+    let err = node
+        .node_publish_volume(publish(
+            "plain-0",
+            "team-d",
+            "plain",
+            Some(&token("plain-0")),
+        ))
+        .await
+        .expect_err("no role annotation");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(
+        err.message().contains("eks.amazonaws.com/role-arn"),
+        "{}",
+        err.message()
+    );
+    let err = node
+        .node_publish_volume(publish("reader-2", "team-a", "reader", None))
+        .await
+        .expect_err("no token");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("tokenRequests"), "{}", err.message());
+    let mut both = publish("reader-3", "team-a", "reader", Some(&token("reader-3")));
+    both.secrets = [
+        ("accessKeyId".to_string(), "AKIDSTATIC".to_string()),
+        (
+            "secretAccessKey".to_string(),
+            "static-secret-value".to_string(),
+        ),
+    ]
+    .into();
+    let err = node
+        .node_publish_volume(both)
+        .await
+        .expect_err("secrets too");
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    let err = node
+        .node_publish_volume(publish(
+            "ghost-0",
+            "team-e",
+            "ghost",
+            Some(&token("ghost-0")),
+        ))
+        .await
+        .expect_err("unknown service account");
+    assert_eq!(err.code(), Code::NotFound, "{err:?}");
+
+    // The token is a private file of the mount, nowhere else.
+    let token_files = files_named(&dir.join("state"), "pod-token");
+    assert_eq!(token_files.len(), 2, "{token_files:?}");
+    for f in &token_files {
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(fs::metadata(f).unwrap().permissions().mode() & 0o777, 0o600);
+    }
+    let all_tokens: Vec<String> = ["reader-0", "reader-1", "writer-0", "intruder-0", "plain-0"]
+        .iter()
+        .map(|p| token(p))
+        .collect();
+    for pid in server.mounter_pids() {
+        for what in ["cmdline", "environ"] {
+            let text = String::from_utf8_lossy(&fs::read(format!("/proc/{pid}/{what}")).unwrap())
+                .to_string();
+            for t in &all_tokens {
+                assert!(
+                    !text.contains(t.as_str()),
+                    "a token in the mounter's {what}"
+                );
+            }
+        }
+    }
+
+    // kubelet republishes with a fresh token (`requiresRepublish`): the mounter's STS
+    // sessions use it from the next renewal on.
+    let fresh = token("reader-0-refreshed");
+    node.node_publish_volume(publish("reader-0", "team-a", "reader", Some(&fresh)))
+        .await
+        .unwrap();
+    let refreshed = Instant::now();
+    let mut writes = 0;
+    while !seen
+        .lock()
+        .unwrap()
+        .assumed
+        .iter()
+        .any(|(_, t)| *t == fresh)
+    {
+        assert!(
+            refreshed.elapsed() < Duration::from_secs(3 * SESSION_SECS as u64),
+            "STS never saw the republished token"
+        );
+        let name = format!("during-{writes}.txt");
+        write_checked(&target("reader-1").join(&name), name.as_bytes()).unwrap();
+        writes += 1;
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let used_after = refreshed.elapsed();
+
+    let mut logs = server.log_text();
+    for log in fs::read_dir(dir.join("state").join("logs"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        logs.push_str(&fs::read_to_string(log.path()).unwrap_or_default());
+    }
+    for t in all_tokens.iter().chain([&fresh]) {
+        assert!(!logs.contains(t.as_str()), "a token in the logs:\n{logs}");
+    }
+
+    for pod in ["reader-0", "reader-1", "writer-0"] {
+        node.node_unpublish_volume(pb::NodeUnpublishVolumeRequest {
+            volume_id: bucket.clone(),
+            target_path: target(pod).to_string_lossy().to_string(),
+        })
+        .await
+        .unwrap();
+    }
+    assert!(server.mounter_pids().is_empty());
+    assert!(files_named(&dir.join("state"), "pod-token").is_empty());
+    let s = seen.lock().unwrap();
+    eprintln!(
+        "pod credentials: {} STS calls for {} roles; {} S3 requests, all signed by the pods' \
+         sessions; the republished token used {used_after:.1?} later ({writes} writes meanwhile)",
+        s.assumed.len(),
+        s.role_of_key
+            .values()
+            .collect::<std::collections::BTreeSet<_>>()
+            .len(),
+        s.s3_roles.len()
+    );
+    drop(proxy);
+}

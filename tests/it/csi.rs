@@ -1655,3 +1655,78 @@ async fn pods_of_one_volume_share_one_mounter() {
     assert!(left.is_empty(), "{left:?}");
     drop(first);
 }
+
+/// A restarted node service serves its socket before it has adopted the mounts of the one
+/// before: a mounter that does not answer (stopped) makes the adoption wait for its
+/// descriptor (5 s), while kubelet's registration, probes and capability calls are
+/// answered at once; node calls wait for the adoption and then see both mounts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarted_node_service_answers_at_once_while_it_adopts_a_mounter_that_does_not_answer() {
+    let dir = scratch_dir("csi-async-recovery");
+    let mut first = csi_in(dir.clone(), Mode::Node).start();
+    let (hung, live) = (new_bucket("csi-rec-hung"), new_bucket("csi-rec-live"));
+    let (hung_target, live_target) = (first.target("hung"), first.target("live"));
+    let mut node = first.node().await;
+    node.node_publish_volume(publish_req(&hung, &hung_target))
+        .await
+        .unwrap_or_else(|e| panic!("publish: {e:?}\n{}", first.log_text()));
+    let hung_pid = first.mounter_pid();
+    node.node_publish_volume(publish_req(&live, &live_target))
+        .await
+        .unwrap_or_else(|e| panic!("publish: {e:?}\n{}", first.log_text()));
+    std::fs::write(live_target.join("f.txt"), b"still here").unwrap();
+    signal(hung_pid, nix::sys::signal::Signal::SIGSTOP);
+    first.kill9();
+
+    let restarted = Instant::now();
+    let second = csi_in(dir, Mode::Node).start();
+    let serving_after = restarted.elapsed();
+    let mut identity = second.identity().await;
+    identity
+        .probe(pb::ProbeRequest {})
+        .await
+        .unwrap_or_else(|e| panic!("probe: {e:?}\n{}", second.log_text()));
+    identity
+        .get_plugin_info(pb::GetPluginInfoRequest {})
+        .await
+        .unwrap();
+    let mut node = second.node().await;
+    node.node_get_capabilities(pb::NodeGetCapabilitiesRequest {})
+        .await
+        .unwrap();
+    let answered_after = restarted.elapsed();
+    let stats = node
+        .node_get_volume_stats(stats_req(&live, &live_target))
+        .await
+        .unwrap_or_else(|e| panic!("stats: {e:?}\n{}", second.log_text()))
+        .into_inner();
+    let adopted_after = restarted.elapsed();
+    assert!(
+        !stats.volume_condition.as_ref().unwrap().abnormal,
+        "{stats:?}"
+    );
+    assert!(
+        answered_after < Duration::from_secs(3),
+        "identity and capability calls waited {answered_after:?} for the adoption"
+    );
+    assert!(
+        adopted_after > answered_after,
+        "the stats call came after the adoption"
+    );
+    signal(hung_pid, nix::sys::signal::Signal::SIGCONT);
+    assert_eq!(
+        std::fs::read(live_target.join("f.txt")).unwrap(),
+        b"still here"
+    );
+    for (bucket, target) in [(&hung, &hung_target), (&live, &live_target)] {
+        node.node_unpublish_volume(unpublish_req(bucket, target))
+            .await
+            .unwrap();
+        assert!(!is_mountpoint(target));
+    }
+    eprintln!(
+        "[csi] restarted node service: socket serving after {serving_after:?}, identity and \
+         capabilities answered after {answered_after:?}, node calls after the adoption at \
+         {adopted_after:?} (a stopped mounter's descriptor waited for)"
+    );
+}

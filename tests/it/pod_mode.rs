@@ -739,3 +739,113 @@ fn pod_mode_pods_of_one_volume_share_a_mounter_pod_per_credentials() {
     assert!(kube.pods().is_empty() && kube.secrets().is_empty());
     assert!(!server.log_text().contains(SECRET));
 }
+
+#[test]
+fn pod_mode_pod_credentials_give_each_service_account_its_own_mounter_pod() {
+    use crate::credentials::{
+        files_named, pod_publish_req, role_proxy, ROLE_ANNOTATION, ROLE_READER, ROLE_WRITER,
+    };
+    let dir = scratch_dir("pod-mode-pod-credentials");
+    let kube = FakeKube::start(&dir, NODE, s3csi_bin());
+    kube.insert_service_account("team-a", "reader", &[(ROLE_ANNOTATION, ROLE_READER)]);
+    kube.insert_service_account("team-b", "writer", &[(ROLE_ANNOTATION, ROLE_WRITER)]);
+    let (proxy, seen) = role_proxy();
+    let endpoint = proxy.endpoint();
+    let server = start_node_service(&dir, &kube);
+    let bucket = new_bucket("pod-mode-pod-credentials");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut node = rt.block_on(server.node());
+    let pid = std::process::id();
+    let token = |who: &str| format!("eyJ-pod-mode-{who}-{pid}");
+    let publish = |pod: &str, ns: &str, sa: &str, tok: &str| {
+        pod_publish_req(
+            &bucket,
+            &server.target(pod),
+            &endpoint,
+            (pod, ns, sa),
+            Some(tok),
+        )
+    };
+    for (pod, ns, sa) in [
+        ("reader-0", "team-a", "reader"),
+        ("reader-1", "team-a", "reader"),
+        ("writer-0", "team-b", "writer"),
+    ] {
+        rt.block_on(node.node_publish_volume(publish(pod, ns, sa, &token(pod))))
+            .unwrap_or_else(|e| panic!("publish {pod}: {e}\n{}", server.log_text()));
+    }
+    assert_eq!(
+        pod_names(&kube).len(),
+        2,
+        "one mounter Pod per service account"
+    );
+    std::fs::write(server.target("reader-0").join("a.txt"), b"team a").unwrap();
+    assert_eq!(
+        std::fs::read(server.target("reader-1").join("a.txt")).unwrap(),
+        b"team a"
+    );
+    assert_eq!(
+        std::fs::read(server.target("writer-0").join("a.txt")).unwrap(),
+        b"team a"
+    );
+
+    // Each Pod's Secret names its role and the token's file, and holds no token or key.
+    let secrets = kube.secrets();
+    let mut roles: Vec<&str> = secrets
+        .iter()
+        .map(|s| s["stringData"]["AWS_ROLE_ARN"].as_str().unwrap())
+        .collect();
+    roles.sort();
+    assert_eq!(roles, [ROLE_READER, ROLE_WRITER]);
+    for s in &secrets {
+        let file = s["stringData"]["AWS_WEB_IDENTITY_TOKEN_FILE"]
+            .as_str()
+            .unwrap();
+        assert!(file.ends_with("/pod-token"), "{file}");
+        assert!(s["stringData"].get("AWS_ACCESS_KEY_ID").is_none(), "{s}");
+    }
+    let objects = format!("{:?}{:?}", kube.pods(), secrets);
+    for pod in ["reader-0", "reader-1", "writer-0"] {
+        assert!(
+            !objects.contains(&token(pod)),
+            "a token in a Kubernetes object"
+        );
+    }
+    {
+        let s = seen.lock().unwrap();
+        assert!(
+            !s.s3_roles.is_empty()
+                && s.s3_roles
+                    .iter()
+                    .all(|r| r == ROLE_READER || r == ROLE_WRITER),
+            "{:?}",
+            s.s3_roles
+        );
+    }
+
+    // A republish rewrites the token the mounter Pod reads through its hostPath.
+    let fresh = token("reader-1-refreshed");
+    rt.block_on(node.node_publish_volume(publish("reader-1", "team-a", "reader", &fresh)))
+        .unwrap();
+    let files = files_named(&dir, "pod-token");
+    assert_eq!(files.len(), 2, "{files:?}");
+    assert!(
+        files
+            .iter()
+            .any(|f| std::fs::read_to_string(f).unwrap() == fresh),
+        "no token file holds the republished token"
+    );
+
+    for pod in ["reader-0", "reader-1", "writer-0"] {
+        rt.block_on(node.node_unpublish_volume(pb::NodeUnpublishVolumeRequest {
+            volume_id: bucket.clone(),
+            target_path: server.target(pod).to_string_lossy().to_string(),
+        }))
+        .unwrap();
+    }
+    assert!(kube.pods().is_empty() && kube.secrets().is_empty());
+    assert!(files_named(&dir, "pod-token").is_empty());
+    let log = server.log_text();
+    assert!(!log.contains(&fresh) && !log.contains(&token("reader-0")));
+    drop(proxy);
+}

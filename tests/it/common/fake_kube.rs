@@ -1,6 +1,7 @@
 //! A fake Kubernetes API server, with a fake scheduler and a fake kubelet behind it, for
 //! the node service's pod mode: the part of the core/v1 API that mode uses (get a Node;
-//! create, get, list by label, delete Pods and Secrets; list Events by field selector),
+//! create, get, list by label, delete Pods and Secrets; list Events by field selector;
+//! get the ServiceAccounts a test put in, for `authenticationSource: pod`),
 //! over plain HTTP on 127.0.0.1, reached through a kubeconfig file as any client would.
 //!
 //! What a real cluster would do with a created Pod, the fakes do on this machine, and they
@@ -73,6 +74,8 @@ enum Stage {
 struct State {
     pods: BTreeMap<String, Value>,
     secrets: BTreeMap<String, Value>,
+    /// By `namespace/name`.
+    service_accounts: BTreeMap<String, Value>,
     events: Vec<Value>,
     stages: BTreeMap<String, Stage>,
     processes: BTreeMap<String, Child>,
@@ -338,6 +341,26 @@ impl FakeKube {
 
     /// Creates a Pod as another client would (without running it; its status is what the
     /// test gives).
+    /// A ServiceAccount `namespace/name` with these annotations.
+    pub fn insert_service_account(
+        &self,
+        namespace: &str,
+        name: &str,
+        annotations: &[(&str, &str)],
+    ) {
+        let annotations: serde_json::Map<String, Value> = annotations
+            .iter()
+            .map(|(k, v)| (k.to_string(), json!(v)))
+            .collect();
+        let sa = json!({"apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": {"name": name, "namespace": namespace, "annotations": annotations}});
+        self.state
+            .lock()
+            .unwrap()
+            .service_accounts
+            .insert(format!("{namespace}/{name}"), sa);
+    }
+
     pub fn insert_pod(&self, pod: Value) {
         let name = pod["metadata"]["name"].as_str().unwrap().to_string();
         self.state.lock().unwrap().pods.insert(name, pod);
@@ -430,6 +453,17 @@ impl Handle {
                 status(404, "NotFound", &format!("nodes \"{name}\" not found"))
             }
             ("GET", ["api", "v1", "namespaces", ns, "events"]) => self.list_events(ns, query),
+            ("GET", ["api", "v1", "namespaces", ns, "serviceaccounts", name]) => {
+                let key = format!("{ns}/{name}");
+                match self.state.lock().unwrap().service_accounts.get(&key) {
+                    Some(sa) => (200, sa.clone()),
+                    None => status(
+                        404,
+                        "NotFound",
+                        &format!("serviceaccounts \"{name}\" not found"),
+                    ),
+                }
+            }
             (_, ["api", "v1", "namespaces", ns, kind @ ("pods" | "secrets"), rest @ ..]) => {
                 self.objects(method, ns, kind, rest.first().copied(), query, body)
             }
