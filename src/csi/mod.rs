@@ -505,7 +505,8 @@ fn recover_in_background(
     mounter: Arc<SharedMounts>,
 ) -> tokio::sync::watch::Receiver<bool> {
     let (done, recovered) = tokio::sync::watch::channel(false);
-    tokio::spawn(async move {
+    let supervised = manager.clone();
+    let adoption = tokio::spawn(async move {
         let started = std::time::Instant::now();
         let m = manager.clone();
         let adopted = tokio::task::spawn_blocking(move || m.recover())
@@ -518,7 +519,6 @@ fn recover_in_background(
         if let Err(e) = mounter.reconcile().await {
             tracing::warn!(error = %e, "cannot clean up mounter pods; trying again at the next start");
         }
-        manager.start_supervisor();
         if adopted + targets > 0 {
             tracing::info!(
                 adopted,
@@ -527,6 +527,13 @@ fn recover_in_background(
                 "adopted the mounts of a previous run"
             );
         }
+    });
+    tokio::spawn(async move {
+        if let Err(e) = adoption.await {
+            tracing::error!(error = %e, "adopting the mounts of a previous run failed");
+        }
+        // Node calls go on either way; replacements of dying mounters start now.
+        supervised.start_supervisor();
         let _ = done.send(true);
     });
     recovered

@@ -154,23 +154,50 @@ impl NodeService {
             Some(auth) => Some(self.service_accounts.credentials(auth).await?),
             None => None,
         };
+        let credentials = spec.credentials.clone();
+        let request = MountRequest {
+            volume_id: spec.volume_id.clone(),
+            target: target.clone(),
+            source: spec.source_arg(),
+            args: spec.mount_args(),
+            env: credentials.as_ref().map(|c| c.env()).unwrap_or_default(),
+            scrub: credentials
+                .as_ref()
+                .map(|c| {
+                    let mut v = vec![c.secret_access_key().to_string()];
+                    v.extend(c.session_token().map(str::to_string));
+                    v
+                })
+                .unwrap_or_default(),
+            kernel: crate::mounter::handoff::KernelMount {
+                fsname: format!("s3csi:{}", spec.source.bucket),
+                read_only: spec.read_only || spec.config.read_only,
+                allow_other: spec.config.allow_other || spec.config.allow_root,
+                no_default_permissions: spec.config.no_default_permissions,
+            },
+            keep_cache: spec.keep_cache,
+            pod_credentials,
+        };
         // status() may probe the mount, which waits while a mounter is being replaced:
         // keep it off the async workers' queues.
         let status = tokio::task::block_in_place(|| self.mounter.status(&target));
         match (&status.volume_id, &status.mounted) {
             (Some(v), Some(_))
-                if *v == req.volume_id && (status.problem.is_none() || status.recoverable) =>
+                if *v == req.volume_id
+                    && (status.problem.is_none() || status.recoverable || status.slow) =>
             {
-                // A mount whose mounter is being replaced is published all the same. A
-                // republish (`requiresRepublish`) brings the pod's fresh token.
-                if let Some(c) = &pod_credentials {
-                    self.mounter.refresh(&target, c).await?;
-                    tracing::info!(
+                // Published already (kubelet republishes every minute or so with
+                // `requiresRepublish`): a mount whose mounter is being replaced, or is
+                // too busy to answer the probe, stays as it is. A republish brings the
+                // pod's fresh token.
+                if let Some(c) = &request.pod_credentials {
+                    self.mounter.refresh(&request).await?;
+                    tracing::debug!(
                         service_account = c.service_account,
                         "refreshed the pod's token"
                     );
                 } else {
-                    tracing::info!(problem = ?status.problem, "already published");
+                    tracing::debug!(problem = ?status.problem, "already published");
                 }
                 return Ok(());
             }
@@ -196,30 +223,6 @@ impl NodeService {
 
         std::fs::create_dir_all(&target)
             .map_err(|e| CsiError::Internal(format!("cannot create {}: {e}", target.display())))?;
-        let credentials = spec.credentials.clone();
-        let request = MountRequest {
-            volume_id: spec.volume_id.clone(),
-            target: target.clone(),
-            source: spec.source_arg(),
-            args: spec.mount_args(),
-            env: credentials.as_ref().map(|c| c.env()).unwrap_or_default(),
-            scrub: credentials
-                .as_ref()
-                .map(|c| {
-                    let mut v = vec![c.secret_access_key().to_string()];
-                    v.extend(c.session_token().map(str::to_string));
-                    v
-                })
-                .unwrap_or_default(),
-            kernel: crate::mounter::handoff::KernelMount {
-                fsname: format!("s3csi:{}", spec.source.bucket),
-                read_only: spec.read_only || spec.config.read_only,
-                allow_other: spec.config.allow_other || spec.config.allow_root,
-                no_default_permissions: spec.config.no_default_permissions,
-            },
-            keep_cache: spec.keep_cache,
-            pod_credentials,
-        };
         tracing::info!(
             source = %request.source,
             args = ?request.args,

@@ -37,9 +37,10 @@ impl ServiceAccounts {
         let api: kube::Api<ServiceAccount> =
             kube::Api::namespaced(self.client().await?.clone(), namespace);
         let sa = api.get(name).await.map_err(|e| match &e {
-            kube::Error::Api(s) if s.code == 404 => {
-                CsiError::NotFound(format!("service account {namespace}/{name} does not exist"))
-            }
+            // FailedPrecondition: NotFound would say the volume does not exist.
+            kube::Error::Api(s) if s.code == 404 => CsiError::FailedPrecondition(format!(
+                "service account {namespace}/{name} does not exist"
+            )),
             kube::Error::Api(s) if s.code == 403 => CsiError::PermissionDenied(format!(
                 "the node plugin may not read service account {namespace}/{name} (its \
                  ClusterRole needs get on serviceaccounts): {}",

@@ -16,8 +16,9 @@ use super::*;
 use crate::s3::UserMeta;
 use futures::StreamExt;
 
-/// How long a metadata change waits for others to share its CopyObject.
-const SAVE_DELAY: Duration = Duration::from_millis(100);
+/// How long a metadata change waits for others to share its CopyObject, by default
+/// (`FsConfig::meta_save_delay`).
+pub(super) const SAVE_DELAY: Duration = Duration::from_millis(100);
 /// HEADs in flight at once when a listing's metadata is loaded.
 const HEADS_IN_FLIGHT: usize = 64;
 /// HEADs in flight at once for all listings together (a tree walk loads several
@@ -222,11 +223,12 @@ impl S3Fs {
         Ok(attr)
     }
 
-    /// Saves `ino`'s metadata `SAVE_DELAY` from now (see the module doc).
+    /// Saves `ino`'s metadata `meta_save_delay` from now (see the module doc).
     pub(super) fn schedule_save(&self, ino: u64) {
         let saver = self.saver();
+        let delay = self.cfg.meta_save_delay;
         tokio::spawn(async move {
-            tokio::time::sleep(SAVE_DELAY).await;
+            tokio::time::sleep(delay).await;
             saver.save(ino).await
         });
     }

@@ -132,6 +132,9 @@ pub struct FsConfig {
     /// Stored POSIX metadata (`meta.rs`) is read and written; off: every file shows the
     /// defaults above and chmod/chown/utimes are accepted and forgotten, as before.
     pub posix_metadata: bool,
+    /// How long a metadata change waits for others to share its CopyObject (see
+    /// `meta_update.rs`).
+    pub meta_save_delay: Duration,
 }
 
 impl From<&MountConfig> for FsConfig {
@@ -164,6 +167,7 @@ impl From<&MountConfig> for FsConfig {
             cache_memory: cfg.cache_memory,
             write_back: cfg.write_back,
             posix_metadata: !cfg.ignore_metadata,
+            meta_save_delay: meta_update::SAVE_DELAY,
         }
     }
 }

@@ -7,8 +7,7 @@ use super::handoff;
 use super::kernel::{Kernel, ProbeError, Usage, PROBE_TIMEOUT};
 use super::state::MountRecord;
 use super::{
-    blocking, key_for, FailureKind, MountError, MountRequest, MountStatus, Mounter, PodCredentials,
-    Timeouts,
+    blocking, key_for, FailureKind, MountError, MountRequest, MountStatus, Mounter, Timeouts,
 };
 use async_trait::async_trait;
 use std::collections::HashMap;
@@ -620,22 +619,30 @@ impl Mounter for MountManager {
         self.kernel.usage_within(target, PROBE_TIMEOUT)
     }
 
-    async fn refresh(&self, target: &Path, c: &PodCredentials) -> Result<(), MountError> {
-        let dir = self
-            .mounts
-            .lock()
-            .unwrap()
-            .get(target)
-            .map(|t| t.handoff_dir.clone());
-        if let Some(dir) = dir {
-            c.write_token(&dir).map_err(|e| {
-                MountError::other(format!(
-                    "cannot write the pod's token into {}: {e}",
-                    dir.display()
-                ))
-            })?;
+    async fn refresh(&self, req: &MountRequest) -> Result<(), MountError> {
+        let Some(c) = &req.pod_credentials else {
+            return Ok(());
+        };
+        let (dir, started_with) = match self.mounts.lock().unwrap().get(&req.target) {
+            Some(t) => (
+                t.handoff_dir.clone(),
+                t.request.as_ref().and_then(|r| r.pod_credentials.clone()),
+            ),
+            None => return Ok(()),
+        };
+        if started_with.is_some_and(|s| s.identity() != c.identity()) {
+            return Err(MountError::other(format!(
+                "the mount on {} was made for other credentials than {} has now",
+                req.target.display(),
+                c.service_account
+            )));
         }
-        Ok(())
+        c.write_token(&dir).map_err(|e| {
+            MountError::other(format!(
+                "cannot write the pod's token into {}: {e}",
+                dir.display()
+            ))
+        })
     }
 
     fn status(&self, target: &Path) -> MountStatus {
@@ -673,14 +680,17 @@ impl Mounter for MountManager {
             mounted,
             problem,
             recoverable,
+            slow: false,
             replacements: t.replacements,
             last_replacement: t.last_replacement.clone(),
         };
         drop(mounts);
         if status.problem.is_none() {
             // Only now: a probe of a mount without a live mounter would wait.
+            let probed = self.kernel.usage_within(target, PROBE_TIMEOUT).err();
             return MountStatus {
-                problem: self.kernel.probe(target),
+                slow: matches!(probed, Some(ProbeError::NoAnswer(..))),
+                problem: probed.map(|e| e.to_string()),
                 ..status
             };
         }

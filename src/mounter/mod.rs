@@ -170,6 +170,9 @@ pub struct MountStatus {
     pub problem: Option<String>,
     /// The problem is being repaired: a replacement mounter is (about to be) started.
     pub recoverable: bool,
+    /// The only problem is that the mount did not answer the probe in time: its mounter
+    /// is alive, busy or slow, and the mount must not be torn down for it.
+    pub slow: bool,
     /// How many times the mounter of this mount was replaced by this node service.
     pub replacements: u32,
     /// Why the last replacement happened.
@@ -185,9 +188,11 @@ pub trait Mounter: Send + Sync + 'static {
     /// What statvfs says of the mount on `target`, giving up after a few seconds (a
     /// mount whose mounter does not answer would make it wait). Blocks.
     fn usage(&self, target: &Path) -> Result<kernel::Usage, kernel::ProbeError>;
-    /// Gives the mounter serving `target` the workload's newer token (kubelet republishes
-    /// with a fresh one, `requiresRepublish`). OK when nothing is mounted there.
-    async fn refresh(&self, target: &Path, credentials: &PodCredentials) -> Result<(), MountError>;
+    /// Gives the mounter serving `req.target` the workload's newer token (kubelet
+    /// republishes with a fresh one, `requiresRepublish`). Fails when that mounter was
+    /// started for another identity or other options (`share_key`). OK when nothing is
+    /// mounted there.
+    async fn refresh(&self, req: &MountRequest) -> Result<(), MountError>;
 }
 
 /// How often the supervisor looks for dead mounters.
@@ -259,13 +264,28 @@ fn private_file(path: &Path, append: bool) -> std::io::Result<std::fs::File> {
     Ok(f)
 }
 
-/// Replaces `path` with `bytes` atomically (a sibling `.tmp` renamed over it), mode 0600:
-/// a crash leaves the old file or the new one, never half of one.
+/// Replaces `path` with `bytes` atomically (a sibling temporary file renamed over it),
+/// mode 0600: a crash leaves the old file or the new one, never half of one. The temporary
+/// file is created new (`O_EXCL`, `O_NOFOLLOW`) under a name of its own, so that a link
+/// planted in the directory (a mounter Pod can write its handoff directory) is never
+/// followed, and two writers at once never write into one file.
 fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    let tmp = path.with_extension("tmp");
-    let mut f = private_file(&tmp, false)?;
-    std::io::Write::write_all(&mut f, bytes)?;
-    std::fs::rename(&tmp, path)
+    use std::os::unix::fs::OpenOptionsExt;
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = path.with_extension(format!("tmp-{}-{n}", std::process::id()));
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&tmp)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, bytes))
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }
 
 /// `text` without any of the `scrub` values (credentials) in it.

@@ -421,6 +421,18 @@ impl PodLauncher {
         } else {
             None
         };
+        if recover
+            && existing.is_none()
+            && req.env.is_empty()
+            && dir.join(super::pod_credentials::TOKEN_FILE).exists()
+        {
+            // It ran with a pod's own credentials, which were in that Secret: never
+            // replace them with the node's.
+            return Err(MountError::other(format!(
+                "the mounter secret {name} of a mount with a pod's credentials is gone; not \
+                 replacing its mounter with other credentials"
+            )));
+        }
         let secret = match (existing, req.env.is_empty(), node_credentials()) {
             (_, false, _) => Some(self.put_secret(mount, &req.env).await?),
             (Some(found), true, _) => Some(found),

@@ -177,6 +177,23 @@ mod tests {
     }
 
     #[test]
+    fn a_planted_link_is_replaced_not_followed() {
+        let dir = std::env::temp_dir().join(format!("s3csi-podlink-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let victim = dir.join("victim");
+        std::fs::write(&victim, "keep me").unwrap();
+        std::os::unix::fs::symlink(&victim, dir.join(TOKEN_FILE)).unwrap();
+        irsa("arn:aws:iam::1:role/a", "eyJtoken")
+            .write_token(&dir)
+            .unwrap();
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep me");
+        let file = dir.join(TOKEN_FILE);
+        assert!(!std::fs::symlink_metadata(&file).unwrap().is_symlink());
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), "eyJtoken");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn identity_is_the_account_and_role_not_the_token() {
         let a = irsa("arn:aws:iam::1:role/a", "t1");
         assert_eq!(a.identity(), irsa("arn:aws:iam::1:role/a", "t2").identity());

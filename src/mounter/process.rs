@@ -128,6 +128,19 @@ impl MounterBackend for ProcessBackend {
         let logf = private_file(&log, true)
             .map_err(|e| MountError::other(format!("cannot open {}: {e}", log.display())))?;
         let offset = logf.metadata().map(|m| m.len()).unwrap_or(0);
+        let pod_variables = req
+            .env
+            .iter()
+            .any(|(k, _)| super::pod_credentials::VARIABLES.contains(k));
+        if recover && !pod_variables && dir.join(super::pod_credentials::TOKEN_FILE).exists() {
+            // It ran with a pod's own credentials, whose variables died with it (adopted
+            // after it had exited): never replace them with the node's.
+            return Err(MountError::other(
+                "the mounter of a mount with a pod's credentials is gone with its variables; \
+                 not replacing it with other credentials"
+                    .to_string(),
+            ));
+        }
         let mut cmd = tokio::process::Command::new(&self.bin);
         cmd.arg("mount")
             .arg("--foreground")
@@ -146,9 +159,20 @@ impl MounterBackend for ProcessBackend {
         if !req.env.is_empty() {
             // Given credentials replace the node's, including a stale session token, and
             // a pod's token exchange must not lose to the node's static keys.
-            cmd.env_remove("AWS_PROFILE");
+            for k in [
+                "AWS_PROFILE",
+                "AWS_CONFIG_FILE",
+                "AWS_SHARED_CREDENTIALS_FILE",
+            ] {
+                cmd.env_remove(k);
+            }
             for k in mount_credential_keys() {
                 cmd.env_remove(k);
+            }
+            if pod_variables {
+                // The node's AWS_ENDPOINT_URL would send the token to the S3 endpoint's
+                // STS; the mount's S3 endpoint is in its arguments.
+                cmd.env_remove("AWS_ENDPOINT_URL");
             }
             for (k, v) in &req.env {
                 cmd.env(k, v);

@@ -13,7 +13,6 @@
 use super::kernel::{ProbeError, Usage};
 use super::{
     blocking, write_private, MountError, MountManager, MountRequest, MountStatus, Mounter,
-    PodCredentials,
 };
 use async_trait::async_trait;
 use std::collections::{BTreeSet, HashMap};
@@ -253,9 +252,11 @@ impl Mounter for SharedMounts {
                 volume_id: req.volume_id.clone(),
                 targets: BTreeSet::new(),
             });
-        } else if let Some(c) = &req.pod_credentials {
+        } else if req.pod_credentials.is_some() {
             // Another pod of the same service account: its token is the newer one.
-            self.inner.refresh(&primary, c).await?;
+            let mut newer = req.clone();
+            newer.target = primary.clone();
+            self.inner.refresh(&newer).await?;
         }
         if let Err(e) = self.inner.kernel.bind(&primary, &req.target) {
             let unused = self
@@ -339,10 +340,23 @@ impl Mounter for SharedMounts {
         self.inner.usage(target)
     }
 
-    async fn refresh(&self, target: &Path, c: &PodCredentials) -> Result<(), MountError> {
-        match self.share_of(target) {
-            Some((key, _)) => self.inner.refresh(&self.primary(&key), c).await,
-            None => self.inner.refresh(target, c).await,
+    async fn refresh(&self, req: &MountRequest) -> Result<(), MountError> {
+        let Some((key, _)) = self.share_of(&req.target) else {
+            return self.inner.refresh(req).await;
+        };
+        if key != req.share_key() {
+            // Its service account's role (or the volume's options) changed since it was
+            // mounted: this mounter's credentials are not the pod's any more.
+            return Err(MountError::other(format!(
+                "{} is served by a mounter started for other credentials or options than \
+                 this publish has; it keeps them until the pod restarts",
+                req.target.display()
+            )));
         }
+        let op = self.op_lock(&key);
+        let _op = op.lock().await;
+        let mut primary = req.clone();
+        primary.target = self.primary(&key);
+        self.inner.refresh(&primary).await
     }
 }

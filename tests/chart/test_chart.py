@@ -428,6 +428,10 @@ def test_storage_classes_pass_the_authentication_source_on() -> None:
     assert by_name["tenant"]["parameters"]["authenticationSource"] == "pod"
     assert by_name["tenant"]["parameters"]["stsEndpointUrl"] == "https://sts.example.com"
     assert "authenticationSource" not in by_name["shared"]["parameters"]
+    with pytest.raises(helm.HelmError, match=r"authenticationSource pod takes each pod's own"):
+        render_chart({"storageClasses": [{"name": "t", "bucket": "bucket-b",
+                                          "authenticationSource": "pod",
+                                          "secretRef": {"name": "keys"}}]})
 
 
 @pytest.mark.parametrize(

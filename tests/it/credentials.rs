@@ -910,7 +910,7 @@ async fn pod_credentials_give_each_service_account_its_own_role_and_mounter() {
         ))
         .await
         .expect_err("unknown service account");
-    assert_eq!(err.code(), Code::NotFound, "{err:?}");
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
 
     // The token is a private file of the mount, nowhere else.
     let token_files = files_named(&dir.join("state"), "pod-token");
@@ -961,6 +961,24 @@ async fn pod_credentials_give_each_service_account_its_own_role_and_mounter() {
         std::thread::sleep(Duration::from_millis(500));
     }
     let used_after = refreshed.elapsed();
+
+    // The account's role changes while its pods run: their mounter keeps the role it
+    // started with, and a republish says so instead of handing it a token for the other.
+    kube.insert_service_account("team-a", "reader", &[(annotation, ROLE_WRITER)]);
+    let err = node
+        .node_publish_volume(publish(
+            "reader-1",
+            "team-a",
+            "reader",
+            Some(&token("r1-new")),
+        ))
+        .await
+        .expect_err("a republish for another role");
+    assert!(err.message().contains("other credentials"), "{err:?}");
+    kube.insert_service_account("team-a", "reader", &[(annotation, ROLE_READER)]);
+    assert!(token_files
+        .iter()
+        .all(|f| fs::read_to_string(f).unwrap() != token("r1-new")));
 
     let mut logs = server.log_text();
     for log in fs::read_dir(dir.join("state").join("logs"))
