@@ -24,7 +24,7 @@ pub enum UnitError {
     SizeTooLarge,
 }
 
-/// `5`, `1.5`, `500ms`, `2s`, `1m`, `1h`; plain numbers are seconds. Decimal fractions are
+/// `5`, `1.5`, `500ms`, `2s`, `1m`, `1h`, `7d`; plain numbers are seconds. Decimal fractions are
 /// exact to the nanosecond (no floating point), so a formatted duration reads back equal.
 pub fn parse_duration(text: &str) -> Result<Duration, UnitError> {
     let (num, unit) = split_unit(text);
@@ -39,6 +39,7 @@ pub fn parse_duration(text: &str) -> Result<Duration, UnitError> {
         "ms" => 1_000_000,
         "m" | "min" => 60_000_000_000,
         "h" => 3_600_000_000_000,
+        "d" => 86_400_000_000_000,
         _ => return Err(UnitError::UnknownUnit(unit.to_string())),
     };
     // The number in units of 10^-9, digits below that dropped.
@@ -135,9 +136,11 @@ mod tests {
             parse_duration("1.5ms").unwrap(),
             Duration::from_micros(1500)
         );
+        assert_eq!(parse_duration("7d").unwrap(), Duration::from_secs(7 * 86_400));
+        assert_eq!(parse_duration("366d"), Err(UnitError::DurationOutOfRange));
         assert_eq!(
-            parse_duration("365d"),
-            Err(UnitError::UnknownUnit("d".into()))
+            parse_duration("2w"),
+            Err(UnitError::UnknownUnit("w".into()))
         );
         assert_eq!(
             parse_duration("8760h").unwrap(),

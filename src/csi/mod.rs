@@ -86,6 +86,10 @@ pub struct CsiArgs {
     /// in seconds (then it is killed; a mount still busy a second later is detached lazily)
     #[arg(long, default_value = "30")]
     pub unmount_timeout: u64,
+    /// Kept data caches (`keepCache`) that no mount on this node used for this long are
+    /// removed (checked at start and hourly), e.g. 12h or 7d; 0 keeps them for ever
+    #[arg(long, default_value = "7d", value_parser = crate::config::units::parse_duration)]
+    pub kept_cache_max_idle: std::time::Duration,
     /// Log level: error, warn, info, debug or trace (RUST_LOG overrides it)
     #[arg(long, default_value = "info", value_parser = ["error", "warn", "info", "debug", "trace"])]
     pub log_level: String,
@@ -355,7 +359,8 @@ pub async fn serve(
         let mounter = SharedMounts::new(manager.clone(), shared_dir, args.state_dir.join("shares"))
             .map_err(state_error)?;
         let mounter = Arc::new(mounter);
-        let recovered = recover_in_background(manager.clone(), mounter.clone());
+        let recovered =
+            recover_in_background(manager.clone(), mounter.clone(), args.kept_cache_max_idle);
         let m = manager.clone();
         registry.gauge(
             "s3csi_mounts",
@@ -503,6 +508,7 @@ pub async fn serve(
 fn recover_in_background(
     manager: Arc<MountManager>,
     mounter: Arc<SharedMounts>,
+    kept_cache_max_idle: std::time::Duration,
 ) -> tokio::sync::watch::Receiver<bool> {
     let (done, recovered) = tokio::sync::watch::channel(false);
     let supervised = manager.clone();
@@ -535,6 +541,17 @@ fn recover_in_background(
         // Node calls go on either way; replacements of dying mounters start now.
         supervised.start_supervisor();
         let _ = done.send(true);
+        if kept_cache_max_idle.is_zero() {
+            return;
+        }
+        // After adoption, so that the links of adopted mounts count as uses.
+        let mut hourly = tokio::time::interval(std::time::Duration::from_secs(3600));
+        loop {
+            hourly.tick().await;
+            let m = supervised.clone();
+            let _ = tokio::task::spawn_blocking(move || m.collect_kept_caches(kept_cache_max_idle))
+                .await;
+        }
     });
     recovered
 }

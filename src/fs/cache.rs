@@ -17,6 +17,7 @@
 //! block is dropped, never waited for, so a first read is not slowed by the cache.
 
 use bytes::{Bytes, BytesMut};
+use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -32,6 +33,8 @@ pub const BLOCK: u64 = 1024 * 1024;
 /// Fetched bytes waiting for the writer thread (their memory is held meanwhile); past
 /// this, new ones are dropped.
 const WRITE_QUEUE_BYTES: u64 = 64 * 1024 * 1024;
+/// GETs a background fill keeps in flight (`DataCache::backfill`).
+const FILL_GETS: usize = 4;
 /// Of those, what uploads may hold until S3 names their version: the rest stays for reads.
 const HELD_FOR_WRITES: u64 = WRITE_QUEUE_BYTES / 2;
 /// The writer thread's nice value where SCHED_IDLE is refused (see `write_blocks`).
@@ -491,8 +494,9 @@ impl DataCache {
 
     /// A reader read `e` to its end, but not every block was kept (the writer thread
     /// runs on idle CPU only and drops what it cannot keep up with, so a fast first read
-    /// leaves gaps): the missing blocks are fetched again in the background, at most 8 MiB
-    /// at a time and only while the write queue has room and no read fetches, so that the
+    /// leaves gaps): the missing blocks are fetched again in the background, in ranges of
+    /// at most 8 MiB, `FILL_GETS` at once, only while the write queue has room and no read
+    /// fetches, so that the
     /// next read is served wholly from the cache (and may pass through). Costs GETs only
     /// for those blocks.
     pub fn backfill(self: &Arc<Self>, e: &Arc<Entry>, client: Arc<dyn crate::s3::ObjectClient>) {
@@ -519,26 +523,49 @@ impl DataCache {
                     _ => runs.push((b, b + 1)),
                 }
             }
-            for (first, last) in runs {
-                // Reads come before the fill: it waits for room in the queue, and while
-                // reads fetch (a minute at most; the next whole read starts it again).
-                let mut waited = 0;
-                while cache.queued.load(Ordering::Relaxed) > WRITE_QUEUE_BYTES / 2
-                    || cache.reads_fetching()
-                {
-                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-                    waited += 1;
-                    if waited > 3000 || e.dead.load(Ordering::Relaxed) {
-                        e.filling.store(false, Ordering::Relaxed);
-                        return;
+            // Up to FILL_GETS ranges in flight: one GET at a time leaves a 1 GiB file
+            // incomplete for seconds after its read (a round trip per 8 MiB). Each range
+            // waits for reads first (they fetch, or the write queue lacks room for it
+            // and the ranges before it: a minute at most; the next whole read starts
+            // the fill again), so the fill never crowds a reader out.
+            let in_flight = Arc::new(AtomicU64::new(0));
+            let fetches = runs.into_iter().map(|(first, last)| {
+                let (cache, e, client, in_flight) =
+                    (cache.clone(), e.clone(), client.clone(), in_flight.clone());
+                async move {
+                    let start = first as u64 * BLOCK;
+                    let end = (last as u64 * BLOCK).min(e.size);
+                    let mut waited = 0;
+                    while cache.queued.load(Ordering::Relaxed)
+                        + in_flight.load(Ordering::Relaxed)
+                        + (end - start)
+                        > WRITE_QUEUE_BYTES / 2
+                        || cache.reads_fetching()
+                    {
+                        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                        waited += 1;
+                        if waited > 3000 || e.dead.load(Ordering::Relaxed) {
+                            return false;
+                        }
                     }
+                    in_flight.fetch_add(end - start, Ordering::Relaxed);
+                    let got = client.get_range_if_match(&e.key, &e.etag, start, end).await;
+                    let ok = match got {
+                        Ok(body) if body.len() as u64 == end - start => {
+                            cache.offer(&e, start, body);
+                            true
+                        }
+                        // Replaced in S3, or failing: the entry stays as it is.
+                        _ => false,
+                    };
+                    in_flight.fetch_sub(end - start, Ordering::Relaxed);
+                    ok
                 }
-                let start = first as u64 * BLOCK;
-                let end = (last as u64 * BLOCK).min(e.size);
-                match client.get_range_if_match(&e.key, &e.etag, start, end).await {
-                    Ok(body) if body.len() as u64 == end - start => cache.offer(&e, start, body),
-                    // Replaced in S3, or failing: the entry stays as it is.
-                    _ => break,
+            });
+            let mut fetches = futures::stream::iter(fetches).buffer_unordered(FILL_GETS);
+            while let Some(ok) = fetches.next().await {
+                if !ok {
+                    break;
                 }
             }
             e.filling.store(false, Ordering::Relaxed);

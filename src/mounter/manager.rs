@@ -10,7 +10,7 @@ use super::{
     blocking, key_for, FailureKind, MountError, MountRequest, MountStatus, Mounter, Timeouts,
 };
 use async_trait::async_trait;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -68,6 +68,30 @@ pub(super) fn private_dir(dir: &Path) -> std::io::Result<()> {
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
 }
 
+/// The file in a kept cache's volume directory whose mtime is the cache's last use.
+pub(super) const LAST_USED: &str = "last-used";
+
+fn mark_used(volume_dir: &Path) {
+    let _ = std::fs::write(volume_dir.join(LAST_USED), b"");
+}
+
+/// Bytes the files below `dir` take on disk.
+fn disk_usage(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let mut total = 0;
+    let mut dirs = vec![dir.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for entry in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            match entry.metadata() {
+                Ok(m) if m.is_dir() => dirs.push(entry.path()),
+                Ok(m) => total += m.blocks() * 512,
+                Err(_) => {}
+            }
+        }
+    }
+    total
+}
+
 pub struct MountManager {
     pub(super) kernel: Arc<dyn Kernel>,
     pub(super) backend: Arc<dyn MounterBackend>,
@@ -77,6 +101,8 @@ pub struct MountManager {
     /// One mount, unmount or replacement at a time per target.
     ops: Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>,
     pub(super) replacements_total: AtomicU64,
+    /// Linking a kept cache to a new mount and collecting idle ones exclude each other.
+    kept_caches: Mutex<()>,
 }
 
 impl MountManager {
@@ -102,6 +128,7 @@ impl MountManager {
             mounts: Mutex::new(HashMap::new()),
             ops: Mutex::new(HashMap::new()),
             replacements_total: AtomicU64::new(0),
+            kept_caches: Mutex::new(()),
         })
     }
 
@@ -158,6 +185,13 @@ impl MountManager {
                     "cannot keep the mount's uncommitted edits"),
             }
         }
+        // A kept cache's idle time starts when its last mount goes (see
+        // `collect_kept_caches`).
+        if let Ok(kept) = std::fs::read_link(cache.join("data")) {
+            if let Some(volume_dir) = kept.parent() {
+                mark_used(volume_dir);
+            }
+        }
         let _ = std::fs::remove_dir_all(dir);
     }
 
@@ -167,21 +201,68 @@ impl MountManager {
     /// publish of the volume on this node (and its pod-mode mounter, which gets that
     /// directory as a hostPath of its own) finds the data again.
     fn keep_cache(&self, volume_id: &str, handoff: &Path) -> Result<(), MountError> {
-        let kept = self
-            .state_dir
-            .join("cache")
-            .join(key_for(Path::new(volume_id)))
-            .join("data");
+        let volume_dir = self.kept_caches_dir().join(key_for(Path::new(volume_id)));
+        let kept = volume_dir.join("data");
         let cache = handoff.join("cache");
+        let _collecting = self.kept_caches.lock().unwrap();
         let made = private_dir(&kept)
             .and_then(|_| private_dir(&cache))
             .and_then(|_| std::os::unix::fs::symlink(&kept, cache.join("data")));
+        mark_used(&volume_dir);
         made.map_err(|e| {
             MountError::other(format!(
                 "cannot keep the data cache in {}: {e}",
                 kept.display()
             ))
         })
+    }
+
+    fn kept_caches_dir(&self) -> PathBuf {
+        self.state_dir.join("cache")
+    }
+
+    /// Removes the kept data caches (`keepCache`) that no mount on this node links to and
+    /// whose last mount went more than `max_idle` ago: a volume deleted, or no longer used
+    /// on this node, would otherwise hold its cache's disk for ever. Returns the bytes
+    /// freed. Run at start and then hourly by the node service (`--kept-cache-max-idle`).
+    pub fn collect_kept_caches(&self, max_idle: Duration) -> u64 {
+        let root = self.kept_caches_dir();
+        let Ok(volumes) = std::fs::read_dir(&root) else {
+            return 0;
+        };
+        let _linking = self.kept_caches.lock().unwrap();
+        let in_use: HashSet<PathBuf> = std::fs::read_dir(self.state_dir.join("handoff"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|d| std::fs::read_link(d.path().join("cache").join("data")).ok())
+            .collect();
+        let mut freed = 0;
+        for volume in volumes.flatten() {
+            let dir = volume.path();
+            if in_use.contains(&dir.join("data")) {
+                continue;
+            }
+            let idle = std::fs::metadata(dir.join(LAST_USED))
+                .or_else(|_| std::fs::metadata(&dir))
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.elapsed().ok());
+            if idle.is_none_or(|idle| idle < max_idle) {
+                continue;
+            }
+            let bytes = disk_usage(&dir);
+            match std::fs::remove_dir_all(&dir) {
+                Ok(()) => {
+                    freed += bytes;
+                    tracing::info!(cache = %dir.display(), bytes, idle_s = idle.map(|d| d.as_secs()),
+                        "removed a kept data cache no mount used for --kept-cache-max-idle");
+                }
+                Err(e) => tracing::warn!(cache = %dir.display(), error = %e,
+                    "cannot remove an idle kept data cache"),
+            }
+        }
+        freed
     }
 
     /// How many mounters this node service replaced, all volumes together.

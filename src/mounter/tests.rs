@@ -632,3 +632,46 @@ async fn a_shared_mount_whose_targets_went_while_no_node_service_ran_is_stopped(
     .await;
     assert!(node.kernel.mounts().is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kept_caches_go_only_when_no_mount_used_them_for_the_idle_time() {
+    let node = Node::new();
+    let kept = |name: &str| node.scratch.0.join("state/cache").join(key_for(Path::new(&format!("vol-{name}"))));
+    let with_cache = |name: &str| MountRequest {
+        keep_cache: true,
+        ..node.request(name)
+    };
+    // "old": kept, unpublished, then idle for two days; "busy": idle as long, but mounted
+    // again; "recent": unpublished just now.
+    for name in ["old", "busy", "recent"] {
+        node.manager.mount(with_cache(name)).await.unwrap();
+        let data = kept(name).join("data");
+        assert!(data.is_dir(), "{}", data.display());
+        std::fs::write(data.join("blocks"), vec![7u8; 64 * 1024]).unwrap();
+        if name != "busy" {
+            node.manager.unmount(&node.target(name)).await.unwrap();
+        }
+    }
+    let two_days_ago = std::time::SystemTime::now() - Duration::from_secs(2 * 86_400);
+    for name in ["old", "busy"] {
+        let last_used = std::fs::File::options()
+            .write(true)
+            .open(kept(name).join(super::manager::LAST_USED))
+            .unwrap();
+        last_used.set_modified(two_days_ago).unwrap();
+    }
+
+    let freed = node.manager.collect_kept_caches(Duration::from_secs(86_400));
+    assert!(freed >= 64 * 1024, "freed {freed}");
+    assert!(!kept("old").exists(), "idle for two days, no mount: removed");
+    assert!(kept("busy").join("data/blocks").exists(), "a mount links it");
+    assert!(kept("recent").join("data/blocks").exists(), "used a moment ago");
+
+    // The busy one's idle time starts at its unpublish.
+    node.manager.unmount(&node.target("busy")).await.unwrap();
+    assert_eq!(node.manager.collect_kept_caches(Duration::from_secs(86_400)), 0);
+    assert!(kept("busy").exists());
+    // A publish finds its kept cache again after an earlier collection removed another.
+    node.manager.mount(with_cache("old")).await.unwrap();
+    assert!(kept("old").join("data").is_dir());
+}

@@ -210,6 +210,8 @@ def test_typo_values_fail_the_schema() -> None:
         {"cache": {"size": 20}},
         {"cache": {"keep": "yes"}},
         {"cache": {"sise": "1GiB"}},
+        {"cache": {"keptMaxIdle": "a week"}},
+        {"cache": {"keptMaxIdle": 7}},
         {"storageClasses": [{"name": "x", "bucket": "b-1", "cacheSize": "1 TB"}]},
         {"storageClasses": [{"name": "x", "bucket": "b-1", "keepCache": "true"}]},
     ],
@@ -508,6 +510,7 @@ def test_node_plugin_command_line(case) -> None:
     env = {e["name"]: e for e in s3csi["env"]}
     assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert flag(args, "log-level") == merged(values)["logLevel"]
+    assert flag(args, "kept-cache-max-idle") == merged(values)["cache"]["keptMaxIdle"]
     for extra in merged(values)["node"]["extraArgs"]:
         assert extra in args
 
