@@ -299,9 +299,19 @@ async fn raw_read(s3: &S3Args, key: &str, part: u64, conc: usize) -> Result<()> 
         .step_by(part as usize)
         .map(|s| (s, (s + part).min(size)))
         .collect();
-    let c = &c;
+    // Each GET a task of its own: the runtime's threads then receive and copy bodies in
+    // parallel (`buffered` alone would poll every body from this one task).
+    let c = Arc::new(c);
     let total = futures::stream::iter(ranges)
-        .map(|(s, e)| async move { c.get_range(key, s, e).await.map(|b| b.len() as u64) })
+        .map(|(s, e)| {
+            let (c, key) = (c.clone(), key.to_string());
+            async move {
+                match tokio::spawn(async move { c.get_range(&key, s, e).await }).await {
+                    Ok(got) => got.map(|b| b.len() as u64).map_err(anyhow::Error::from),
+                    Err(e) => Err(anyhow::Error::from(e)),
+                }
+            }
+        })
         .buffered(conc)
         .try_fold(0u64, |acc, n| async move { Ok(acc + n) })
         .await?;

@@ -136,7 +136,10 @@ mod tests {
             parse_duration("1.5ms").unwrap(),
             Duration::from_micros(1500)
         );
-        assert_eq!(parse_duration("7d").unwrap(), Duration::from_secs(7 * 86_400));
+        assert_eq!(
+            parse_duration("7d").unwrap(),
+            Duration::from_secs(7 * 86_400)
+        );
         assert_eq!(parse_duration("366d"), Err(UnitError::DurationOutOfRange));
         assert_eq!(
             parse_duration("2w"),

@@ -636,7 +636,12 @@ async fn a_shared_mount_whose_targets_went_while_no_node_service_ran_is_stopped(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kept_caches_go_only_when_no_mount_used_them_for_the_idle_time() {
     let node = Node::new();
-    let kept = |name: &str| node.scratch.0.join("state/cache").join(key_for(Path::new(&format!("vol-{name}"))));
+    let kept = |name: &str| {
+        node.scratch
+            .0
+            .join("state/cache")
+            .join(key_for(Path::new(&format!("vol-{name}"))))
+    };
     let with_cache = |name: &str| MountRequest {
         keep_cache: true,
         ..node.request(name)
@@ -661,15 +666,30 @@ async fn kept_caches_go_only_when_no_mount_used_them_for_the_idle_time() {
         last_used.set_modified(two_days_ago).unwrap();
     }
 
-    let freed = node.manager.collect_kept_caches(Duration::from_secs(86_400));
+    let freed = node
+        .manager
+        .collect_kept_caches(Duration::from_secs(86_400));
     assert!(freed >= 64 * 1024, "freed {freed}");
-    assert!(!kept("old").exists(), "idle for two days, no mount: removed");
-    assert!(kept("busy").join("data/blocks").exists(), "a mount links it");
-    assert!(kept("recent").join("data/blocks").exists(), "used a moment ago");
+    assert!(
+        !kept("old").exists(),
+        "idle for two days, no mount: removed"
+    );
+    assert!(
+        kept("busy").join("data/blocks").exists(),
+        "a mount links it"
+    );
+    assert!(
+        kept("recent").join("data/blocks").exists(),
+        "used a moment ago"
+    );
 
     // The busy one's idle time starts at its unpublish.
     node.manager.unmount(&node.target("busy")).await.unwrap();
-    assert_eq!(node.manager.collect_kept_caches(Duration::from_secs(86_400)), 0);
+    assert_eq!(
+        node.manager
+            .collect_kept_caches(Duration::from_secs(86_400)),
+        0
+    );
     assert!(kept("busy").exists());
     // A publish finds its kept cache again after an earlier collection removed another.
     node.manager.mount(with_cache("old")).await.unwrap();
