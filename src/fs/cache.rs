@@ -496,9 +496,8 @@ impl DataCache {
     /// runs on idle CPU only and drops what it cannot keep up with, so a fast first read
     /// leaves gaps): the missing blocks are fetched again in the background, in ranges of
     /// at most 8 MiB, `FILL_GETS` at once, only while the write queue has room and no read
-    /// fetches, so that the
-    /// next read is served wholly from the cache (and may pass through). Costs GETs only
-    /// for those blocks.
+    /// fetches, so that the next read is served wholly from the cache (and may pass
+    /// through). Costs GETs only for those blocks.
     pub fn backfill(self: &Arc<Self>, e: &Arc<Entry>, client: Arc<dyn crate::s3::ObjectClient>) {
         if e.dead.load(Ordering::Relaxed) || e.filling.swap(true, Ordering::Relaxed) {
             return;
