@@ -289,6 +289,29 @@ impl InodeTable {
         ino
     }
 
+    /// What `upsert` does, for a child still bound to the version a listing shows (same
+    /// kind, ETag and size, not being written): from a listing that may be stale about
+    /// names, which then adds and drops none. The child's inode, if it was confirmed.
+    pub fn confirm(
+        &mut self,
+        parent: u64,
+        name: &str,
+        kind: Kind,
+        size: u64,
+        mtime: SystemTime,
+        etag: Option<String>,
+    ) -> Option<u64> {
+        let ino = self.bound(parent, name)?;
+        let i = self.by_ino.get(&ino)?;
+        let same = i.kind == kind
+            && !i.being_written()
+            && !i.local_only
+            && etag.is_some()
+            && i.etag == etag
+            && i.size == size;
+        same.then(|| self.upsert(parent, name, kind, size, mtime, etag))
+    }
+
     /// Binds `name` under `parent` to an inode of `kind` with fresh metadata, reusing the
     /// existing inode when the kind matches, so inode numbers stay stable across refreshes.
     pub fn upsert(

@@ -202,17 +202,17 @@ impl S3Fs {
                         return;
                     }
                 };
-                let Some(heads) = absorb_background_page(
+                let (heads, whole) = absorb_background_page(
                     &inodes, ino, &key, &page, changes, dir_mtime, with_meta,
-                ) else {
-                    return;
-                };
+                );
                 // The siblings' metadata too, so that their lookups cost nothing.
                 head_batch(&client, &inodes, heads, dir_mtime).await;
                 let mut t = lock(&inodes);
                 token = page.next_token;
                 if token.is_none() {
-                    if forgotten == t.forgotten_names {
+                    // `whole` is false for this page once it is for any: the count of
+                    // namespace changes only grows.
+                    if whole && forgotten == t.forgotten_names {
                         if let Some(d) = t.get_mut(ino) {
                             d.complete_as_of = Some(started);
                         }

@@ -73,9 +73,11 @@ pub(super) fn page_entries(
 }
 
 /// Puts one LIST page of directory `dir` (key `dir_key`) fetched in the background into
-/// the table. `None`: a name was renamed or removed through the mount since the LIST was
-/// sent (`namespace_changes` was `changes`), so the page may be stale and, being only a
-/// prefetch, is dropped. Otherwise the children whose metadata must still be loaded.
+/// the table, and returns the children whose metadata must still be loaded and whether the
+/// page was taken whole. Not whole when a name was renamed or removed through the mount
+/// since the LIST was sent (`namespace_changes` was `changes`): the page may be stale about
+/// names, so it only confirms the children still bound to the versions it shows (an
+/// `rm` of many files then probes none of them) and adds or drops none.
 pub(super) fn absorb_background_page(
     inodes: &Mutex<InodeTable>,
     dir: u64,
@@ -84,20 +86,22 @@ pub(super) fn absorb_background_page(
     changes: u64,
     dir_mtime: SystemTime,
     with_meta: bool,
-) -> Option<Vec<(u64, String, Kind)>> {
+) -> (Vec<(u64, String, Kind)>, bool) {
     let mut t = lock(inodes);
-    if t.namespace_changes != changes {
-        return None;
-    }
+    let whole = t.namespace_changes == changes;
     let heads = page_entries(dir_key, page, dir_mtime)
         .into_iter()
         .filter_map(|e| {
-            let child = t.upsert(dir, &e.name, e.kind, e.size, e.mtime, e.etag);
+            let child = if whole {
+                t.upsert(dir, &e.name, e.kind, e.size, e.mtime, e.etag)
+            } else {
+                t.confirm(dir, &e.name, e.kind, e.size, e.mtime, e.etag)?
+            };
             let c = t.get(child).filter(|c| with_meta && unknown_meta(c))?;
             Some((c.ino, c.key.clone(), c.kind))
         })
         .collect();
-    Some(heads)
+    (heads, whole)
 }
 
 impl S3Fs {

@@ -596,6 +596,78 @@ async fn a_lookup_miss_lists_the_directory_for_its_siblings() {
     );
 }
 
+/// `rm` of many files once the TTL has passed: the listing fetched after the first lookup
+/// lands after the first unlink changed the namespace. It then confirms the siblings it
+/// shows unchanged (so their unlinks probe nothing) but never brings a removed name back
+/// nor counts as a complete listing.
+#[tokio::test]
+async fn a_listing_stale_about_names_still_confirms_the_unchanged_siblings() {
+    let mem = Arc::new(MemClient::new());
+    for i in 0..20 {
+        mem.insert(&format!("d/f{i:02}"), "x");
+    }
+    mem.insert("d/changed", "old");
+    let fs = S3Fs::new(
+        mem.clone(),
+        FsConfig {
+            metadata_ttl: Duration::from_millis(100),
+            ..FsConfig::default()
+        },
+    );
+    let d = fs.lookup(ROOT, "d").await.unwrap();
+    assert_eq!(names(&fs, d.ino).await.len(), 23);
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    // The LIST is sent (this one, not the mount's own listing ahead), and meanwhile f00 is
+    // removed through the mount and `changed` replaced by it.
+    let changes = {
+        let mut t = lock(&fs.inodes);
+        t.get_mut(d.ino).unwrap().list_ahead_at = Some(Instant::now());
+        t.namespace_changes
+    };
+    let page = mem
+        .list(crate::s3::ListRequest {
+            prefix: "d/",
+            delimiter: Some("/"),
+            continuation: None,
+            max_keys: 1000,
+        })
+        .await
+        .unwrap();
+    fs.unlink(d.ino, "f00").await.unwrap();
+    let c = fs.lookup(d.ino, "changed").await.unwrap();
+    let fh = fs.open(c.ino, W).await.unwrap();
+    fs.write(fh, 0, b"new bytes", None).await.unwrap();
+    fs.release(fh).await.unwrap();
+    let (heads, whole) = readdir::absorb_background_page(
+        &fs.inodes,
+        d.ino,
+        "d/",
+        &page,
+        changes,
+        fs.mount_time,
+        true,
+    );
+    assert!(!whole);
+    assert!(heads.is_empty(), "{heads:?}");
+    let before = mem.metadata_requests();
+    for i in 1..20 {
+        fs.lookup(d.ino, &format!("f{i:02}")).await.unwrap();
+    }
+    assert_eq!(
+        mem.metadata_requests(),
+        before,
+        "the siblings were confirmed"
+    );
+    // Not brought back: the removed name, and the old version of the rewritten file.
+    assert!(matches!(
+        fs.lookup(d.ino, "f00").await,
+        Err(FsError::NotFound)
+    ));
+    let now = fs.lookup(d.ino, "changed").await.unwrap();
+    assert_eq!((now.ino, now.size), (c.ino, 9));
+    assert!(!fs.listing_fresh(&fs.inode(d.ino).unwrap()));
+}
+
 /// close(2) waits for FLUSH (the commit) but not for RELEASE: a rename onto (or of) a
 /// file whose last descriptor was just closed must not fail with EBUSY because its
 /// RELEASE is still on its way (fsx's full run found it), nor bring back the old bytes.

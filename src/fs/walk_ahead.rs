@@ -140,11 +140,11 @@ impl S3Fs {
                                 return None;
                             }
                         };
-                        let heads = absorb_background_page(
+                        let (heads, whole) = absorb_background_page(
                             &inodes, dir, &key, &page, counters.1, dir_mtime, with_meta,
-                        )?;
+                        );
                         head_batch(&client, &inodes, heads, dir_mtime).await;
-                        Some(page)
+                        whole.then_some(page)
                     })
                     .await;
             });
