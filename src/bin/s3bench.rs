@@ -64,6 +64,8 @@ enum Cmd {
         part: u64,
         #[arg(long, default_value_t = 16)]
         concurrency: usize,
+        #[command(flatten)]
+        barrier: Barrier,
     },
     /// Write one object with a parallel multipart upload (PutObject below 5 MiB).
     RawWrite {
@@ -148,6 +150,8 @@ enum FsOp {
         /// Run one phase only (create, stat or remove), e.g. to count requests per phase.
         #[arg(long, default_value = "all")]
         phase: String,
+        #[command(flatten)]
+        barrier: Barrier,
     },
 }
 
@@ -291,8 +295,36 @@ async fn pipe(
 
 // ---------------------------------------------------------------- raw S3
 
-async fn raw_read(s3: &S3Args, key: &str, part: u64, conc: usize) -> Result<()> {
+/// Where several processes run at once, as mdtest's MPI ranks do: each starts its timed
+/// work at the same moment, once all have loaded and set up.
+#[derive(clap::Args, Debug, Clone, Copy)]
+struct Barrier {
+    /// Wait until this time (seconds since the UNIX epoch) before the timed work.
+    #[arg(long)]
+    start_at: Option<f64>,
+}
+
+impl Barrier {
+    /// How long to wait still.
+    fn left(self) -> std::time::Duration {
+        let left = self.start_at.map_or(0.0, |at| at - epoch_secs());
+        std::time::Duration::from_secs_f64(left.max(0.0))
+    }
+}
+
+/// Seconds since the UNIX epoch: the start and end a run prints, so that a script running
+/// several processes at once can time them together from the first start to the last end
+/// (a process's own start-up, such as loading this binary, is not in it).
+fn epoch_secs() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+async fn raw_read(s3: &S3Args, key: &str, part: u64, conc: usize, barrier: Barrier) -> Result<()> {
     let c = client(s3).await;
+    tokio::time::sleep(barrier.left()).await;
+    let start = epoch_secs();
     let t = Instant::now();
     let size = c.head_object(key).await?.size;
     let ranges: Vec<(u64, u64)> = (0..size)
@@ -320,8 +352,9 @@ async fn raw_read(s3: &S3Args, key: &str, part: u64, conc: usize) -> Result<()> 
         bail!("read {total} bytes, object has {size}");
     }
     println!(
-        "RESULT op=raw-read bytes={total} secs={secs:.3} mibps={:.1}",
-        mib_s(total, secs)
+        "RESULT op=raw-read bytes={total} secs={secs:.3} mibps={:.1} start={start:.6} end={:.6}",
+        mib_s(total, secs),
+        epoch_secs()
     );
     Ok(())
 }
@@ -474,15 +507,23 @@ fn fs_op(op: FsOp) -> Result<()> {
                 secs * 1000.0 / n as f64
             );
         }
-        FsOp::Mdtest { dir, n, phase } => {
+        FsOp::Mdtest {
+            dir,
+            n,
+            phase,
+            barrier,
+        } => {
             if !["all", "create", "stat", "remove"].contains(&phase.as_str()) {
                 bail!("--phase must be all, create, stat or remove");
             }
             std::fs::create_dir_all(&dir)?;
             let paths: Vec<PathBuf> = (0..n).map(|i| dir.join(format!("m{i:05}"))).collect();
             let run = |name: &str| phase == "all" || phase == name;
+            std::thread::sleep(barrier.left());
             let mut out = format!("RESULT op=mdtest n={n}");
+            let span = |start: f64| format!(" start={start:.6} end={:.6}", epoch_secs());
             if run("create") {
+                let start = epoch_secs();
                 let t = Instant::now();
                 for p in &paths {
                     let f = std::fs::OpenOptions::new()
@@ -495,20 +536,25 @@ fn fs_op(op: FsOp) -> Result<()> {
                     close_checked(f)?;
                 }
                 out += &format!(" create_ops={:.1}", n as f64 / t.elapsed().as_secs_f64());
+                out += &span(start);
             }
             if run("stat") {
+                let start = epoch_secs();
                 let t = Instant::now();
                 for p in &paths {
                     std::fs::metadata(p).with_context(|| format!("stat {p:?}"))?;
                 }
                 out += &format!(" stat_ops={:.1}", n as f64 / t.elapsed().as_secs_f64());
+                out += &span(start);
             }
             if run("remove") {
+                let start = epoch_secs();
                 let t = Instant::now();
                 for p in &paths {
                     std::fs::remove_file(p).with_context(|| format!("unlink {p:?}"))?;
                 }
                 out += &format!(" remove_ops={:.1}", n as f64 / t.elapsed().as_secs_f64());
+                out += &span(start);
             }
             println!("{out}");
         }
@@ -569,7 +615,8 @@ fn main() -> Result<()> {
                 key,
                 part,
                 concurrency,
-            } => raw_read(&s3, &key, part, concurrency.max(1)).await,
+                barrier,
+            } => raw_read(&s3, &key, part, concurrency.max(1), barrier).await,
             Cmd::RawWrite {
                 s3,
                 key,
