@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# s3csi vs s3fs vs rclone mount vs raw S3, through injected network latency.
+# s3csi vs s3fs vs rclone mount vs raw S3, through injected network latency, on two S3
+# servers side by side.
 #
 #   bench/run.sh [--quick] [--full] [--rtt MS] [--runs N] [--only "s3csi s3fs rclone"]
-#                [--no-build] [--keep]
+#                [--servers "moto fast"] [--no-build] [--keep]
 #
-# Starts moto (bench/moto_server.py) on a fresh loopback port, one latency proxy
-# (`s3bench proxy`, RTT/2 each way plus one RTT per new connection) per client in front of
-# it, one bucket per client, and runs the workloads of issue 5 on fresh mounts, N times.
+# For each server: starts it on a fresh loopback port, one latency proxy (`s3bench proxy`,
+# RTT/2 each way plus one RTT per new connection) per client in front of it, one bucket per
+# client, and runs the workloads on fresh mounts, N times. The servers:
+#   moto  bench/moto_server.py: faithful S3 metadata, slow data (~440 MiB/s at best); every
+#         request is logged, so its rows also count the S3 requests of each workload
+#   fast  the embedded `s3csi s3-server` on a local directory: the data path is not the
+#         limit, so "% of raw S3" measures what the FUSE path costs
 # Prints a Markdown table of medians and writes it to bench/results/latest.md.
-#   --quick   small sizes, 1 run (a few minutes)
-#   --full    1 GiB objects instead of 256 MiB (moto needs ~35 s per GiB uploaded)
+#   --quick   small sizes, 1 run (a few minutes per server)
+#   --full    the issue's sizes: 1 GiB objects instead of 256 MiB (moto needs ~35 s per GiB
+#             uploaded), 6 400 files for cp -r instead of 1 600
+#   --servers L  which servers, in order (default "moto fast")
 #   --rtt MS  round-trip time injected by the proxy (default 10; 0 = proxy without delay)
 #   --runs N  runs of s3csi and raw S3 (default 3; medians are reported)
 #   --peer-runs N  runs of s3fs and rclone (default 1: they are slow, ~8 and ~5 min a run)
@@ -31,6 +38,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 
 QUICK=0 FULL=0 RTT=10 RUNS="" PEER_RUNS="" ONLY="s3csi s3csi-wb s3fs rclone rclone-w" BUILD=1 KEEP=0 PIN=1
+SERVERS="moto fast"
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) QUICK=1 ;;
@@ -39,10 +47,11 @@ while [ $# -gt 0 ]; do
     --runs) RUNS=$2; shift ;;
     --peer-runs) PEER_RUNS=$2; shift ;;
     --only) ONLY=$2; shift ;;
+    --servers) SERVERS=$2; shift ;;
     --no-build) BUILD=0 ;;
     --keep) KEEP=1 ;;
     --no-pin) PIN=0 ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -50,10 +59,14 @@ done
 
 if [ "$QUICK" = 1 ]; then
   BIG=64MiB TOUCH_N=100 DIRS=10 FILES=100 WU_N=100 MD_N=100 RUNS=${RUNS:-1} SQL_N=2000
+  MANY_N=100 CP_DIRS=2 PAR_N=8
 else
   BIG=256MiB TOUCH_N=500 DIRS=100 FILES=100 WU_N=1000 MD_N=500 RUNS=${RUNS:-3} SQL_N=10000
+  MANY_N=1000 CP_DIRS=16 PAR_N=8
 fi
-[ "$FULL" = 1 ] && BIG=1GiB
+[ "$FULL" = 1 ] && BIG=1GiB CP_DIRS=64
+CP_FILES=100 CP_SIZE=4096   # cp -r: CP_DIRS directories of CP_FILES files of CP_SIZE bytes
+MD_PROCS=4                  # the parallel mdtest rows: MD_PROCS processes, MD_N files in all
 PEER_RUNS=${PEER_RUNS:-1}
 [ "$PEER_RUNS" -gt "$RUNS" ] && PEER_RUNS=$RUNS
 BIG_BYTES=$(python3 -c "import re;m=re.fullmatch(r'(\d+)([KMG]iB)','$BIG');print(int(m[1])<<{'KiB':10,'MiB':20,'GiB':30}[m[2]])")
@@ -80,11 +93,11 @@ NOTES=$WORK/notes.txt
 export AWS_ACCESS_KEY_ID=bench AWS_SECRET_ACCESS_KEY=bench AWS_REGION=us-east-1 RUST_BACKTRACE=0
 unset AWS_PROFILE AWS_SESSION_TOKEN
 
-PIDS=()
 MOUNTED=()
+SERVER_PIDS=()
 cleanup() {
   for m in "${MOUNTED[@]}"; do fusermount3 -u "$m" 2>/dev/null || umount -l "$m" 2>/dev/null; done
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done
+  for p in "${SERVER_PIDS[@]}"; do kill "$p" 2>/dev/null; done
   wait 2>/dev/null
   if [ "$KEEP" = 1 ]; then echo "work directory kept: $WORK"; else rm -rf "$WORK"; fi
 }
@@ -95,22 +108,15 @@ free_port() { python3 -c 'import socket;s=socket.socket();s.bind(("127.0.0.1",0)
 log() { echo "[$(date +%T)] $*" >&2; }
 now() { date +%s.%N; }
 
-# ---------------------------------------------------------------- S3 server and proxies
+# ---------------------------------------------------------------- S3 servers and proxies
 NCPU=$(nproc)
 SERVER_SIDE=()
 CPUS="all $NCPU CPUs shared"
 if [ "$PIN" = 1 ] && [ "$NCPU" -ge 2 ] && command -v taskset >/dev/null; then
   SERVER_SIDE=(taskset -c "$((NCPU - 1))")
   taskset -cp "0-$((NCPU - 2))" $$ >/dev/null   # this script and every client it starts
-  CPUS="S3 server side (moto, proxies) on CPU $((NCPU - 1)), clients on CPU 0-$((NCPU - 2))"
+  CPUS="S3 server side (S3 server, proxies) on CPU $((NCPU - 1)), clients on CPU 0-$((NCPU - 2))"
 fi
-MPORT=$(free_port)
-"${SERVER_SIDE[@]}" python3 bench/moto_server.py -H 127.0.0.1 -p "$MPORT" >"$WORK/moto.log" 2>&1 &
-MOTO_PID=$!
-PIDS+=($!)
-DIRECT=http://127.0.0.1:$MPORT
-for _ in $(seq 100); do curl -s -o /dev/null "$DIRECT" && break; sleep 0.2; done
-curl -s -o /dev/null "$DIRECT" || { echo "moto did not start" >&2; exit 1; }
 
 CLIENTS="raw"
 for fs in $ONLY; do
@@ -122,36 +128,97 @@ for fs in $ONLY; do
     *) echo "unknown mount $fs" >&2; exit 2 ;;
   esac
 done
-declare -A PPORT
-for c in $CLIENTS; do
-  PPORT[$c]=$(free_port)
-  "${SERVER_SIDE[@]}" "$BENCH" proxy --listen "127.0.0.1:${PPORT[$c]}" --upstream "127.0.0.1:$MPORT" \
-    --delay-ms "$DELAY_MS" --bytes-file "$WORK/proxy-$c.bytes" >"$WORK/proxy-$c.log" 2>&1 &
-  PIDS+=($!)
+for srv in $SERVERS; do
+  case $srv in moto|fast) ;; *) echo "unknown server $srv (moto or fast)" >&2; exit 2 ;; esac
 done
-sleep 0.5
 bucket() { echo "bench-$1"; }
-# moto keeps objects in memory (bench/moto_server.py): drop each 1 GiB written object once
-# checked, straight at moto and untimed, so that memory does not grow with every run
-forget() { curl -sf -X DELETE "$DIRECT/$(bucket "$1")/$2" >/dev/null || true; }
+SRV=""            # the server of the rows being measured
+SERVER_PID=""     # its process (quiesce waits until it is idle)
+REQLOG=""         # its request log, one line per request (moto only)
+SERVER_PIDS=()    # the server and its proxies, stopped by stop_server
+declare -A PPORT
 
-log "moto on $DIRECT, RTT ${RTT} ms, clients: $CLIENTS, big object $BIG, runs $RUNS, work dir $WORK; $CPUS"
-for c in $CLIENTS; do
-  curl -sf -X PUT "$DIRECT/$(bucket "$c")" >/dev/null || { echo "cannot create bucket" >&2; exit 1; }
-  log "setup $c: uploading big.bin ($BIG)"
-  "$BENCH" raw-write --endpoint "$DIRECT" --bucket "$(bucket "$c")" --key big.bin --size "$BIG" >/dev/null || exit 1
-  if [ "$c" != raw ]; then
-    log "setup $c: uploading edit.bin ($BIG), the object the edit rows change"
-    "$BENCH" raw-write --endpoint "$DIRECT" --bucket "$(bucket "$c")" --key edit.bin --size "$BIG" >/dev/null || exit 1
-    case $c in rclone-w|s3csi-wb) continue ;; esac   # they run the edit rows only
-    log "setup $c: creating $((DIRS * FILES)) objects in $DIRS directories"
-    "$BENCH" populate --endpoint "$DIRECT" --bucket "$(bucket "$c")" --prefix tree \
-      --dirs "$DIRS" --files "$FILES" >/dev/null || exit 1
-    log "setup $c: creating $((DIRS * FILES)) objects with s3fs metadata in $DIRS directories"
-    "$BENCH" populate --endpoint "$DIRECT" --bucket "$(bucket "$c")" --prefix mtree \
-      --dirs "$DIRS" --files "$FILES" --with-metadata >/dev/null || exit 1
+# Starts server $1 with one proxy and one bucket per client, and uploads the data sets.
+start_server() { # moto|fast
+  SRV=$1
+  SERVER_PIDS=()
+  local port c
+  port=$(free_port)
+  DIRECT=http://127.0.0.1:$port
+  if [ "$SRV" = moto ]; then
+    REQLOG=$WORK/moto.log
+    : >"$REQLOG"
+    "${SERVER_SIDE[@]}" python3 bench/moto_server.py -H 127.0.0.1 -p "$port" >"$REQLOG" 2>&1 &
+    SERVER_PID=$!
+    for _ in $(seq 100); do curl -s -o /dev/null "$DIRECT" && break; sleep 0.2; done
+    curl -s -o /dev/null "$DIRECT" || { echo "moto did not start" >&2; exit 1; }
+    for c in $CLIENTS; do
+      curl -sf -X PUT "$DIRECT/$(bucket "$c")" >/dev/null || { echo "cannot create bucket" >&2; exit 1; }
+    done
+  else
+    REQLOG=""
+    local buckets=()
+    for c in $CLIENTS; do buckets+=(--bucket "$(bucket "$c")"); done
+    S3CSI_S3_SECRET_KEY=$AWS_SECRET_ACCESS_KEY "${SERVER_SIDE[@]}" "$S3CSI" s3-server \
+      --listen "127.0.0.1:$port" --dir "$WORK/fast-data" --access-key "$AWS_ACCESS_KEY_ID" \
+      "${buckets[@]}" --log-level warn >"$WORK/fast.out" 2>"$WORK/fast.log" &
+    SERVER_PID=$!
+    for _ in $(seq 100); do grep -q '^listening on' "$WORK/fast.out" && break; sleep 0.1; done
+    grep -q '^listening on' "$WORK/fast.out" || { echo "the embedded server did not start" >&2; exit 1; }
   fi
+  SERVER_PIDS+=("$SERVER_PID")
+  for c in $CLIENTS; do
+    PPORT[$c]=$(free_port)
+    "${SERVER_SIDE[@]}" "$BENCH" proxy --listen "127.0.0.1:${PPORT[$c]}" --upstream "${DIRECT#http://}" \
+      --delay-ms "$DELAY_MS" --bytes-file "$WORK/proxy-$c.bytes" >"$WORK/proxy-$c.log" 2>&1 &
+    SERVER_PIDS+=($!)
+  done
+  sleep 0.5
+  log "$SRV on $DIRECT, RTT ${RTT} ms, clients: $CLIENTS, big object $BIG, runs $RUNS, work dir $WORK; $CPUS"
+  for c in $CLIENTS; do
+    local b; b=$(bucket "$c")
+    log "setup $SRV $c: uploading big.bin ($BIG)"
+    "$BENCH" raw-write --endpoint "$DIRECT" --bucket "$b" --key big.bin --size "$BIG" >/dev/null || exit 1
+    if has_par; then
+      log "setup $SRV $c: uploading $PAR_N objects of $BIG for the parallel read"
+      for i in $(seq "$PAR_N"); do
+        "$BENCH" raw-write --endpoint "$DIRECT" --bucket "$b" --key "par/p$i.bin" --size "$BIG" >/dev/null || exit 1
+      done
+    fi
+    [ "$c" = raw ] && continue
+    log "setup $SRV $c: uploading edit.bin ($BIG), the object the edit rows change"
+    "$BENCH" raw-write --endpoint "$DIRECT" --bucket "$b" --key edit.bin --size "$BIG" >/dev/null || exit 1
+    case $c in rclone-w|s3csi-wb) continue ;; esac   # they run the edit rows only
+    log "setup $SRV $c: creating $((DIRS * FILES)) objects in $DIRS directories, twice (with s3fs metadata)"
+    "$BENCH" populate --endpoint "$DIRECT" --bucket "$b" --prefix tree \
+      --dirs "$DIRS" --files "$FILES" >/dev/null || exit 1
+    "$BENCH" populate --endpoint "$DIRECT" --bucket "$b" --prefix mtree \
+      --dirs "$DIRS" --files "$FILES" --with-metadata >/dev/null || exit 1
+    log "setup $SRV $c: creating $MANY_N objects of 1 MiB"
+    "$BENCH" populate --endpoint "$DIRECT" --bucket "$b" --prefix many \
+      --dirs 1 --files "$MANY_N" --size 1048576 --concurrency 8 >/dev/null || exit 1
+  done
+}
+stop_server() {
+  local p
+  for p in "${SERVER_PIDS[@]}"; do kill "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
+  SERVER_PIDS=()
+  rm -rf "$WORK/fast-data"
+}
+# The parallel read of PAR_N objects of BIG: on the fast server only (moto keeps objects in
+# memory, and PAR_N more per client would not fit in it at --full sizes).
+has_par() { [ "$SRV" = fast ]; }
+# moto keeps objects in memory (bench/moto_server.py): drop each big written object once
+# checked, straight at moto and untimed, so that memory does not grow with every run
+forget() { [ "$SRV" = moto ] && curl -sf -X DELETE "$DIRECT/$(bucket "$1")/$2" >/dev/null; true; }
+
+# The local tree `cp -r` copies into each mount: CP_DIRS × CP_FILES files of CP_SIZE bytes.
+SMALL=$WORK/small
+for d in $(seq -f '%03g' "$CP_DIRS"); do
+  mkdir -p "$SMALL/d$d"
+  for f in $(seq -f '%03g' "$CP_FILES"); do head -c "$CP_SIZE" /dev/urandom >"$SMALL/d$d/f$f"; done
 done
+CP_N=$((CP_DIRS * CP_FILES))
 
 # ---------------------------------------------------------------- request accounting
 # moto logs one line per request; each client has its own bucket and its own proxy, so the
@@ -172,24 +239,33 @@ quiesce() {
   # starts with another's data in memory or pays for reclaiming it
   [ "$DROP_CACHES" = 1 ] && echo 1 >/proc/sys/vm/drop_caches
   local cpu_ticks i a b
-  cpu_ticks() { awk '{print $14 + $15}' "/proc/$MOTO_PID/stat" 2>/dev/null || echo 0; }
+  cpu_ticks() { awk '{print $14 + $15}' "/proc/$SERVER_PID/stat" 2>/dev/null || echo 0; }
   for i in $(seq 60); do
     a=$(cpu_ticks); sleep 0.5; b=$(cpu_ticks)
     [ $((b - a)) -le 2 ] && break
   done
 }
-mark() { quiesce; MARK_M=$(wc -l <"$WORK/moto.log"); MARK_P=$(wc -l <"$WORK/proxy-$1.log"); }
+mark() {
+  quiesce
+  MARK_M=$([ -n "$REQLOG" ] && wc -l <"$REQLOG" || echo 0)
+  MARK_P=$(wc -l <"$WORK/proxy-$1.log")
+  MARK_CPU=$(mounter_ticks)
+}
 # prints: total breakdown connections
 count() {
   local c=$1 b
   b=$(bucket "$c")
+  if [ -z "$REQLOG" ]; then   # no request log: new connections only
+    printf '\t\t%d' $(($(wc -l <"$WORK/proxy-$c.log") - MARK_P))
+    return
+  fi
   # wait until the server is quiet (requests a file system issues after close land here)
   local a b2 i
   for i in $(seq 60); do
-    a=$(wc -l <"$WORK/moto.log"); sleep 0.5; b2=$(wc -l <"$WORK/moto.log")
+    a=$(wc -l <"$REQLOG"); sleep 0.5; b2=$(wc -l <"$REQLOG")
     [ "$a" = "$b2" ] && [ "$i" -gt 1 ] && break
   done
-  tail -n +"$((MARK_M + 1))" "$WORK/moto.log" | awk -v b="/$b" '
+  tail -n +"$((MARK_M + 1))" "$REQLOG" | awk -v b="/$b" '
     match($0, /"[A-Z]+ [^ ]+ HTTP/) {
       split(substr($0, RSTART + 1, RLENGTH - 1), r, " "); m = r[1]; p = r[2]
       if (index(p, b) != 1) next
@@ -204,15 +280,28 @@ count() {
 # bytes the client sent through its proxy so far (`s3bench proxy --bytes-file`)
 proxy_bytes() { sleep 0.3; cat "$WORK/proxy-$1.bytes" 2>/dev/null || echo 0; }
 
+# CPU time (user + sys, in clock ticks) the mount process has used so far; 0 without one
+mounter_ticks() {
+  [ -n "$MOUNTER" ] && awk '{ print $14 + $15 }' "/proc/$MOUNTER/stat" 2>/dev/null || echo 0
+}
+CLK_TCK=$(getconf CLK_TCK)
+# record_cpu FS NAME BYTES: the mount process's CPU seconds per GiB moved since the last mark
+record_cpu() {
+  [ -n "$MOUNTER" ] || return 0
+  record "$1" "$2" "$run" "$(awk -v a="$MARK_CPU" -v b="$(mounter_ticks)" -v t="$CLK_TCK" -v n="$3" \
+    'BEGIN { printf "%.2f", (b - a) / t / (n / 1073741824) }')"
+}
+
 # record FS WORKLOAD RUN VALUE [requests]
-record() { printf '%s\t%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" "${5:-}" >>"$RES"; }
+record() { printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$SRV" "$1" "$2" "$3" "$4" "${5:-}" >>"$RES"; }
 field() { sed -n "s/.*[ ]$1=\([^ ]*\).*/\1/p" | tail -1; }
 
-run_timed() { # FS NAME RUN FIELD CMD... : runs CMD, records FIELD of its RESULT line
+run_timed() { # FS NAME RUN FIELD CMD... : runs CMD (a command or an exported function),
+  # records FIELD of its RESULT line
   local fs=$1 name=$2 run=$3 f=$4 out v
   shift 4
   mark "$fs"
-  out=$(timeout "$TMO" "$@" 2>"$WORK/err-$fs-$name-$run.txt")
+  out=$(timeout "$TMO" bash -c '"$@"' _ "$@" 2>"$WORK/err-$fs-$name-$run.txt")
   local rc=$?
   if { [ "$fs" = rclone-w ] || [ "$fs" = s3csi-wb ]; } && [ $rc -eq 0 ]; then
     # Their close does not wait for the upload: the row's time runs until it is done
@@ -238,9 +327,76 @@ run_timed() { # FS NAME RUN FIELD CMD... : runs CMD, records FIELD of its RESULT
   log "  $fs $name: $v  [requests: $req]"
 }
 
+# wall FS NAME RUN NUM EXPECT CMD...: times CMD (a command or one of the exported functions
+# below) by the wall clock; records NUM / seconds, or the seconds if NUM is 0. With EXPECT,
+# CMD's output must be exactly that (the bytes it read).
+wall() {
+  local fs=$1 name=$2 run=$3 num=$4 expect=$5 t0 t1 out rc v req
+  shift 5
+  mark "$fs"
+  t0=$(now)
+  out=$(timeout "$TMO" bash -c '"$@"' _ "$@" 2>"$WORK/err-$fs-$name-$run.txt")
+  rc=$?
+  t1=$(now)
+  req=$(count "$fs")
+  if [ $rc -ne 0 ] || { [ -n "$expect" ] && [ "$out" != "$expect" ]; }; then
+    v=$([ $rc = 124 ] && echo timeout || echo error)
+    echo "$fs $name run $run: $v (output '${out:0:80}', expected '$expect'; $(head -c 300 "$WORK/err-$fs-$name-$run.txt" | tr '\n' ' '))" >>"$NOTES"
+  else
+    v=$(awk -v a="$t0" -v b="$t1" -v n="$num" 'BEGIN { s = b - a; if (n > 0) printf "%.1f", n / s; else printf "%.3f", s }')
+  fi
+  record "$fs" "$name" "$run" "$v" "$req"
+  log "  $fs $name: $v  [requests: $req]"
+}
+# The bytes of every file in DIR, read in name order by one process.
+read_in_order() { cat "$1"/* | wc -c; }
+# The same files shared round-robin among 8 readers running at once; prints the bytes read.
+read_by_8() {
+  local files=("$1"/*) w j sel
+  for w in 0 1 2 3 4 5 6 7; do
+    sel=()
+    for ((j = w; j < ${#files[@]}; j += 8)); do sel+=("${files[j]}"); done
+    [ ${#sel[@]} -gt 0 ] && cat "${sel[@]}" | wc -c &
+  done | awk '{ n += $1 } END { print n }'
+}
+# Every file in DIR read by a process of its own, all at once; prints the bytes read.
+read_each() {
+  local f
+  for f in "$1"/*; do cat "$f" | wc -c & done | awk '{ n += $1 } END { print n }'
+}
+# RESULT lines of processes that ran at once (each with start= and end=, seconds since the
+# epoch) as one: N (the work they did in all, in units U) over the time from the first start
+# to the last end, so that loading a binary the page-cache drop evicted is not timed.
+together() { # N U
+  awk -v n="$1" -v u="$2" '/^RESULT/ {
+      for (i = 2; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = kv[2] }
+      if (!k || v["start"] < s) s = v["start"]; if (!k || v["end"] > e) e = v["end"]; k++ }
+    END { if (k && e > s) printf "RESULT procs=%d secs=%.3f %s=%.1f\n", k, e - s, u, n / (e - s) }'
+}
+# A start time for processes that run at once, as mdtest's barrier: far enough ahead for
+# all of them to have loaded the binary the page-cache drop evicted (~35 ms here) and set up.
+start_at() { awk -v t="$(date +%s.%N)" 'BEGIN { printf "%.3f", t + 0.5 }'; }
+# MD_PROCS `s3bench fs mdtest` processes, each on N files in a directory of its own (made
+# before the phase starts, as mdtest does), all starting the phase at the same moment
+mdtest_procs() { # DIR N PHASE
+  local i pids=() rc=0 out=$WORK/mdtest at
+  at=$(start_at)
+  for i in $(seq "$MD_PROCS"); do
+    "$BENCH" fs mdtest "$1/p$i" --n "$2" --phase "$3" --start-at "$at" >"$out-$i" &
+    pids+=($!)
+  done
+  for i in "${pids[@]}"; do wait "$i" || rc=1; done
+  [ $rc = 0 ] && cat "$out"-* | together "$((MD_PROCS * $2))" "${3}_ops"
+  rm -f "$out"-*
+  return $rc
+}
+export -f read_in_order read_by_8 read_each mdtest_procs together start_at
+export BENCH MD_PROCS
+
 # ---------------------------------------------------------------- mounts
 MNT=""
 FSPID=""
+MOUNTER=""   # the mount process itself (FSPID may be a subshell that started it)
 # rclone mount of BUCKET through the proxy on PORT, with the given VFS flags
 rclone_mount() { # BUCKET PORT FLAGS...
   local b=$1 p=$2
@@ -301,6 +457,7 @@ mount_fs() { # FS RUN
     return 1
   fi
   MOUNTED+=("$MNT")
+  MOUNTER=$(pgrep -n -f -- "$MNT")
 }
 umount_fs() {
   fusermount3 -u "$MNT" 2>/dev/null || umount "$MNT" 2>/dev/null || umount -l "$MNT"
@@ -308,6 +465,7 @@ umount_fs() {
   kill "$FSPID" 2>/dev/null
   wait "$FSPID" 2>/dev/null
   MOUNTED=()
+  MOUNTER=""
 }
 
 bench_ls() { # FS RUN TREE NAME
@@ -324,7 +482,7 @@ bench_ls() { # FS RUN TREE NAME
   else
     record "$fs" "$name" "$run" "$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f", b - a }')" "$req"
   fi
-  log "  $fs $name: $(tail -1 "$RES" | cut -f4)  [requests: $req]"
+  log "  $fs $name: $(tail -1 "$RES" | cut -f5)  [requests: $req]"
 }
 
 # Waits until rclone-w has no upload queued or under way; prints the seconds it waited.
@@ -385,14 +543,16 @@ bench_mount() { # FS RUN
   log "run $run: $fs mounted (pid $FSPID)"
   # 1. sequential read; peak RSS of the file-system process (read is its first workload)
   run_timed "$fs" read "$run" mibps "$BENCH" fs seq-read "$MNT/big.bin"
-  hwm=$(awk '/VmHWM/ {print $2}' "/proc/$FSPID/status" 2>/dev/null)
+  record_cpu "$fs" cpu_read "$BIG_BYTES"
+  hwm=$(awk '/VmHWM/ {print $2}' "/proc/$MOUNTER/status" 2>/dev/null)
   record "$fs" rss "$run" "$([ -n "$hwm" ] && echo $((hwm / 1024)) || echo n/a)"
   # 2. sequential write, then the size as S3 reports it
   run_timed "$fs" write "$run" mibps "$BENCH" fs seq-write "$MNT/write-$run.bin" --size "$BIG"
+  record_cpu "$fs" cpu_write "$BIG_BYTES"
   size=$("$BENCH" head --endpoint "$DIRECT" --bucket "$(bucket "$fs")" --key "write-$run.bin" 2>/dev/null | field size)
   if [ "$size" != "$BIG_BYTES" ]; then
     echo "$fs run $run: written file has size '${size:-missing}' in S3, expected $BIG_BYTES" >>"$NOTES"
-    awk -F'\t' -v OFS='\t' -v n="$(wc -l <"$RES")" 'NR == n { $4 = "FAIL" } 1' "$RES" >"$RES.tmp" && mv "$RES.tmp" "$RES"
+    awk -F'\t' -v OFS='\t' -v n="$(wc -l <"$RES")" 'NR == n { $5 = "FAIL" } 1' "$RES" >"$RES.tmp" && mv "$RES.tmp" "$RES"
   fi
   forget "$fs" "write-$run.bin"
   # 3. touch
@@ -408,6 +568,26 @@ bench_mount() { # FS RUN
   mkdir -p "$MNT/md-$run"
   for ph in create stat remove; do
     run_timed "$fs" "md_$ph" "$run" "${ph}_ops" "$BENCH" fs mdtest "$MNT/md-$run" --n "$MD_N" --phase "$ph"
+  done
+  # 7. many files and many readers: MANY_N objects of 1 MiB read once in name order, then by
+  #    8 readers at once (a training data loader's two modes); PAR_N processes each reading
+  #    its own $BIG object; cp -r of CP_N small files into the mount; mdtest with MD_PROCS
+  #    processes sharing MD_N files
+  wall "$fs" many_seq "$run" 0 "$((MANY_N << 20))" read_in_order "$MNT/many/d000"
+  wall "$fs" many_par "$run" 0 "$((MANY_N << 20))" read_by_8 "$MNT/many/d000"
+  if has_par; then
+    wall "$fs" par_read "$run" "$((PAR_N * BIG_BYTES / 1048576))" "$((PAR_N * BIG_BYTES))" read_each "$MNT/par"
+    record_cpu "$fs" cpu_par "$((PAR_N * BIG_BYTES))"
+  fi
+  wall "$fs" cp_small "$run" 0 "" cp -r "$SMALL" "$MNT/cp-$run"
+  local copied
+  copied=$(find "$MNT/cp-$run" -type f 2>/dev/null | wc -l)
+  if [ "$copied" != "$CP_N" ]; then
+    echo "$fs run $run: cp -r left $copied files in the mount, expected $CP_N" >>"$NOTES"
+    awk -F'\t' -v OFS='\t' -v n="$(wc -l <"$RES")" 'NR == n { $5 = "FAIL" } 1' "$RES" >"$RES.tmp" && mv "$RES.tmp" "$RES"
+  fi
+  for ph in create stat remove; do
+    run_timed "$fs" "md4_$ph" "$run" "${ph}_ops" mdtest_procs "$MNT/md4-$run" "$((MD_N / MD_PROCS))" "$ph"
   done
   # 7. editing in place: append 1 MiB to an existing $BIG object (and the MiB sent upstream
   #    for it, as its proxy counted them), 1000 random 4 KiB writes into it, SQLite inserts.
@@ -427,26 +607,52 @@ bench_raw() { # RUN
   run_timed raw write "$run" mibps "$BENCH" raw-write --endpoint "$ep" --bucket "$(bucket raw)" \
     --key "write-$run.bin" --size "$BIG"
   forget raw "write-$run.bin"
+  if has_par; then
+    run_timed raw par_read "$run" mibps raw_read_each "$ep" "$(bucket raw)"
+  fi
 }
+# PAR_N `s3bench raw-read` processes at once, each reading its own par/pN.bin
+raw_read_each() { # ENDPOINT BUCKET
+  local i pids=() rc=0 out=$WORK/raw-par at
+  at=$(start_at)
+  for i in $(seq "$PAR_N"); do
+    "$BENCH" raw-read --endpoint "$1" --bucket "$2" --key "par/p$i.bin" --start-at "$at" >"$out-$i" &
+    pids+=($!)
+  done
+  for i in "${pids[@]}"; do wait "$i" || rc=1; done
+  [ $rc = 0 ] && cat "$out"-* | together "$((PAR_N * BIG_BYTES / 1048576))" mibps
+  rm -f "$out"-*
+  return $rc
+}
+export -f raw_read_each
+export PAR_N BIG_BYTES WORK
 
 T_START=$(date +%s)
-for run in $(seq "$RUNS"); do
-  for c in $CLIENTS; do
-    case $c in
-      raw) bench_raw "$run" ;;
-      rclone-w) [ "$run" -le "$PEER_RUNS" ] && bench_edits rclone-w "$run" ;;
-      s3csi-wb) bench_edits s3csi-wb "$run" ;;
-      s3csi) bench_mount "$c" "$run" ;;
-      *) [ "$run" -le "$PEER_RUNS" ] && bench_mount "$c" "$run" ;;
-    esac
+ELAPSED_BY=""
+for srv in $SERVERS; do
+  t_srv=$(date +%s)
+  start_server "$srv"
+  for run in $(seq "$RUNS"); do
+    for c in $CLIENTS; do
+      case $c in
+        raw) bench_raw "$run" ;;
+        rclone-w) [ "$run" -le "$PEER_RUNS" ] && bench_edits rclone-w "$run" ;;
+        s3csi-wb) bench_edits s3csi-wb "$run" ;;
+        s3csi) bench_mount "$c" "$run" ;;
+        *) [ "$run" -le "$PEER_RUNS" ] && bench_mount "$c" "$run" ;;
+      esac
+    done
   done
+  stop_server
+  ELAPSED_BY="$ELAPSED_BY $srv:$(($(date +%s) - t_srv))"
 done
 ELAPSED=$(($(date +%s) - T_START))
 
 mkdir -p bench/results
 python3 bench/report.py "$RES" "$NOTES" \
   --rtt "$RTT" --big "$BIG" --touch "$TOUCH_N" --objects "$((DIRS * FILES))" --dirs "$DIRS" \
-  --wu "$WU_N" --md "$MD_N" --sql "$SQL_N" --cpus "$CPUS" --dropped-caches "$DROP_CACHES" --runs "$RUNS" --peer-runs "$PEER_RUNS" --elapsed "$ELAPSED" \
+  --wu "$WU_N" --md "$MD_N" --sql "$SQL_N" --cpus "$CPUS" --dropped-caches "$DROP_CACHES" --runs "$RUNS" --peer-runs "$PEER_RUNS" --elapsed "$ELAPSED$ELAPSED_BY" \
+  --many "$MANY_N" --par "$PAR_N" --cp "$CP_N" --cp-size "$CP_SIZE" --md-procs "$MD_PROCS" --servers "$SERVERS" \
   --versions "s3csi $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null)$(git -C "$ROOT" diff --quiet 2>/dev/null || echo '+dirty'); $(s3fs --version 2>/dev/null | head -1 | sed 's/ (commit.*//'); $(rclone version 2>/dev/null | head -1); moto $(python3 -c 'import moto;print(moto.__version__)')" \
   >bench/results/latest.md
 cat bench/results/latest.md
