@@ -132,7 +132,7 @@ p(
     f"connection), one proxy and one bucket per client: **moto** (bench/moto_server.py: objects "
     f"in memory, ranged GETs in O(range), no full-object CRC64 at multipart completion; faithful "
     f"S3 metadata, slow data, and a request log, so the request counts below are its) and "
-    f"**fast**, the embedded `s3csi s3-server` on a local directory (its data path is not the "
+    f"**fast**, the embedded `s3csi s3-server` on a directory in /dev/shm, in memory as moto's objects are (its data path is not the "
     f"limit, so s3csi / raw S3 there is what the FUSE path costs). "
     f"Medians of {args.runs} run(s) for s3csi and raw S3, "
     f"{args.peer_runs} for s3fs and rclone, each on a fresh mount; raw S3 = `s3bench raw-read` / "
