@@ -310,18 +310,16 @@ impl Upload {
                 "file too large for S3's 10 000 parts within --max-upload-memory; EFBIG");
             return Err(FsError::TooBig);
         }
-        let part = Self::part_size(self.base_part_size, self.next_part).min(self.max_part) as usize;
         if self.next_part > 1 && self.buf.capacity() - self.buf.len() < data.len() {
             // Past the first part the buffer fills up to a whole part: allocate that once,
             // not by doubling from the write size (which copied 7 MiB per 8 MiB part).
-            let want = part.max(self.buf.len() + data.len());
+            let want = self.next_part_size().max(self.buf.len() + data.len());
             self.buf.reserve(want - self.buf.len());
         }
         self.buf.extend_from_slice(data);
         self.written += data.len() as u64;
         loop {
-            let size =
-                Self::part_size(self.base_part_size, self.next_part).min(self.max_part) as usize;
+            let size = self.next_part_size();
             if self.buf.len() < size {
                 break;
             }
@@ -338,6 +336,11 @@ impl Upload {
             }
         }
         Ok(data.len())
+    }
+
+    /// The size of the part the buffer fills next.
+    fn next_part_size(&self) -> usize {
+        Self::part_size(self.base_part_size, self.next_part).min(self.max_part) as usize
     }
 
     async fn send_part(&mut self, body: Bytes) -> Result<(), S3Error> {
