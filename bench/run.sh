@@ -371,7 +371,8 @@ read_by_8() {
 # Every file in DIR read by a process of its own, all at once; prints the bytes read.
 read_each() {
   local f
-  for f in "$1"/*; do cat "$f" | wc -c & done | awk '{ n += $1 } END { print n }'
+  # %.0f: mawk prints sums of 2^31 and more as 2.14748e+09
+  for f in "$1"/*; do cat "$f" | wc -c & done | awk '{ n += $1 } END { printf "%.0f\n", n }'
 }
 # RESULT lines of processes that ran at once (each with start= and end=, seconds since the
 # epoch) as one: N (the work they did in all, in units U) over the time from the first start
