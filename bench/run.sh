@@ -366,14 +366,16 @@ read_by_8() {
     sel=()
     for ((j = w; j < ${#files[@]}; j += 8)); do sel+=("${files[j]}"); done
     [ ${#sel[@]} -gt 0 ] && cat "${sel[@]}" | wc -c &
-  done | awk '{ n += $1 } END { print n }'
+  done | sum_lines
 }
 # Every file in DIR read by a process of its own, all at once; prints the bytes read.
 read_each() {
   local f
-  # %.0f: mawk prints sums of 2^31 and more as 2.14748e+09
-  for f in "$1"/*; do cat "$f" | wc -c & done | awk '{ n += $1 } END { printf "%.0f\n", n }'
+  for f in "$1"/*; do cat "$f" | wc -c & done | sum_lines
 }
+# The sum of the numbers on stdin, one per line; %.0f because mawk prints 2^31 and more as
+# 2.14748e+09.
+sum_lines() { awk '{ n += $1 } END { printf "%.0f\n", n }'; }
 # RESULT lines of processes that ran at once (each with start= and end=, seconds since the
 # epoch) as one: N (the work they did in all, in units U) over the time from the first start
 # to the last end, so that loading a binary the page-cache drop evicted is not timed.
@@ -400,7 +402,7 @@ mdtest_procs() { # DIR N PHASE
   rm -f "$out"-*
   return $rc
 }
-export -f read_in_order read_by_8 read_each mdtest_procs together start_at
+export -f read_in_order read_by_8 read_each sum_lines mdtest_procs together start_at
 export BENCH MD_PROCS
 
 # ---------------------------------------------------------------- mounts
