@@ -135,6 +135,24 @@ done
 for srv in $SERVERS; do
   case $srv in moto|fast) ;; *) echo "unknown server $srv (moto or fast)" >&2; exit 2 ;; esac
 done
+# The fast server keeps every client's objects in /dev/shm: refuse a run whose objects do not
+# fit in memory, before any server starts, rather than have the kernel kill a server or a
+# mounter halfway (raw S3 and s3csi alone at --full sizes need ~22 GiB).
+if [[ " $SERVERS " == *" fast "* ]]; then
+  need=0
+  for c in $CLIENTS; do
+    case $c in
+      raw) need=$((need + (PAR_N + 2) * BIG_BYTES)) ;;                   # big, par, the write
+      rclone-w|s3csi-wb) need=$((need + 2 * BIG_BYTES)) ;;               # edit.bin, its copy
+      *) need=$((need + (PAR_N + 4) * BIG_BYTES + (MANY_N << 20))) ;;   # + edit.bin, many
+    esac
+  done
+  avail=$(awk '/^MemAvailable:/ { printf "%.0f", $2 * 1024 }' /proc/meminfo)
+  if [ "$need" -gt $((avail / 10 * 9)) ]; then
+    echo "the fast server would keep $((need >> 30)) GiB of objects in memory, and $((avail >> 30)) GiB is available: use fewer clients (--only), smaller sizes (no --full) or --servers moto" >&2
+    exit 1
+  fi
+fi
 bucket() { echo "bench-$1"; }
 SRV=""            # the server of the rows being measured
 SERVER_PID=""     # its process (quiesce waits until it is idle)
