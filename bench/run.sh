@@ -135,17 +135,20 @@ done
 for srv in $SERVERS; do
   case $srv in moto|fast) ;; *) echo "unknown server $srv (moto or fast)" >&2; exit 2 ;; esac
 done
+# rclone-w and s3csi-wb run the edit rows only: edit.bin is the one object they need (on the
+# fast server, their copies of the big and parallel-read objects did not fit in memory).
+edit_rows_only() { case $1 in rclone-w|s3csi-wb) return 0 ;; *) return 1 ;; esac; }
 # The fast server keeps every client's objects in /dev/shm: refuse a run whose objects do not
 # fit in memory, before any server starts, rather than have the kernel kill a server or a
 # mounter halfway (raw S3 and s3csi alone at --full sizes need ~22 GiB).
 if [[ " $SERVERS " == *" fast "* ]]; then
   need=0
   for c in $CLIENTS; do
-    case $c in
-      raw) need=$((need + (PAR_N + 2) * BIG_BYTES)) ;;                   # big, par, the write
-      rclone-w|s3csi-wb) need=$((need + 2 * BIG_BYTES)) ;;               # edit.bin, its copy
-      *) need=$((need + (PAR_N + 4) * BIG_BYTES + (MANY_N << 20))) ;;   # + edit.bin, many
-    esac
+    if [ "$c" = raw ]; then need=$((need + (PAR_N + 2) * BIG_BYTES))   # big, par, the write
+    elif edit_rows_only "$c"; then need=$((need + 2 * BIG_BYTES))      # edit.bin and its copy
+    else                                # big, par, edit.bin and its copy, the write, many
+      need=$((need + (PAR_N + 4) * BIG_BYTES + (MANY_N << 20)))
+    fi
   done
   avail=$(awk '/^MemAvailable:/ { printf "%.0f", $2 * 1024 }' /proc/meminfo)
   if [ "$need" -gt $((avail / 10 * 9)) ]; then
@@ -223,9 +226,6 @@ start_server() { # moto|fast
       --dirs 1 --files "$MANY_N" --size 1048576 --concurrency 8 >/dev/null || exit 1
   done
 }
-# rclone-w and s3csi-wb run the edit rows only: edit.bin is the one object they need (on the
-# fast server, their copies of the big and parallel-read objects did not fit in memory).
-edit_rows_only() { case $1 in rclone-w|s3csi-wb) return 0 ;; *) return 1 ;; esac; }
 stop_server() {
   local p
   for p in "${SERVER_PIDS[@]}"; do kill "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
