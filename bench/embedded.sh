@@ -2,7 +2,8 @@
 # `s3csi s3-server` on a free loopback port behind one latency proxy, pinned to the last
 # CPU like run.sh's server side (clients on the others), and the helpers both use.
 # Needs WORK (holding copies of s3csi and s3bench) and RTT; sets DIRECT (the server),
-# PPORT (the proxy's port; bytes sent through it are counted in $WORK/sent), MNT, SERVER
+# PPORT (the proxy's port; bytes sent through it are counted in $WORK/sent, requests by
+# kind in $WORK/requests), MNT, SERVER
 # and CLIENT (taskset prefixes) and FSPID (by wait_mounted).
 export AWS_ACCESS_KEY_ID=s3csi-demo AWS_SECRET_ACCESS_KEY=s3csi-demo-secret AWS_REGION=us-east-1
 export S3CSI_S3_SECRET_KEY=$AWS_SECRET_ACCESS_KEY RUST_BACKTRACE=0
@@ -30,7 +31,7 @@ DIRECT=$(sed -n 's/^listening on //p' "$WORK/server.out" | head -1)
 [ -n "$DIRECT" ] || { echo "the embedded server did not start" >&2; cat "$WORK/server.log" >&2; exit 1; }
 PPORT=$(free_port)
 "${SERVER[@]}" "$WORK/s3bench" proxy --listen "127.0.0.1:$PPORT" --upstream "${DIRECT#http://}" \
-  --delay-ms $((RTT / 2)) --bytes-file "$WORK/sent" >/dev/null 2>&1 &
+  --delay-ms $((RTT / 2)) --bytes-file "$WORK/sent" --requests-file "$WORK/requests" >/dev/null 2>&1 &
 PIDS+=($!)
 sleep 0.3
 printf '%s:%s\n' "$AWS_ACCESS_KEY_ID" "$AWS_SECRET_ACCESS_KEY" >"$WORK/passwd-s3fs"
@@ -58,5 +59,13 @@ umount_one() {
   fusermount3 -u "$MNT" 2>/dev/null || umount "$MNT" 2>/dev/null || umount -l "$MNT"
   for _ in $(seq 600); do kill -0 "$FSPID" 2>/dev/null || break; sleep 0.1; done
   kill "$FSPID" 2>/dev/null; wait "$FSPID" 2>/dev/null
+}
+# Requests sent through the proxy since the snapshot BEFORE (an earlier `requests_now`):
+# `HEAD:1000 LIST:100`, or `-` for none.
+requests_now() { sleep 0.3; cat "$WORK/requests" 2>/dev/null; echo; }
+requests_since() { # BEFORE
+  { echo "$1" | tr ' ' '\n' | sed 's/^/- /'; requests_now | tr ' ' '\n' | sed 's/^/+ /'; } | awk -F'[ :]' '
+    NF == 3 { n[$2] += ($1 == "+" ? $3 : -$3) }
+    END { s = ""; for (k in n) if (n[k] > 0) s = s k ":" n[k] " "; print (s == "" ? "-" : substr(s, 1, length(s) - 1)) }'
 }
 median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{ a[NR] = $1 } END { if (NR) print a[int((NR + 1) / 2)] }'; }

@@ -53,6 +53,10 @@ enum Cmd {
         /// every 100 ms), for the bench's "bytes sent" rows.
         #[arg(long)]
         bytes_file: Option<std::path::PathBuf>,
+        /// Keep the requests clients sent so far in this file, by kind (`HEAD:3 LIST:1 GET:2`;
+        /// LIST is a GET with a query and no key), rewritten every 100 ms.
+        #[arg(long)]
+        requests_file: Option<std::path::PathBuf>,
     },
     /// Read one object with parallel ranged GETs (consumed in order, like a sequential reader).
     RawRead {
@@ -192,11 +196,38 @@ async fn proxy(
     upstream: &str,
     delay: Duration,
     bytes_file: Option<std::path::PathBuf>,
+    requests_file: Option<std::path::PathBuf>,
 ) -> Result<()> {
     let listener = TcpListener::bind(listen)
         .await
         .with_context(|| format!("bind {listen}"))?;
     let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let requests = Arc::new(std::sync::Mutex::new(std::collections::BTreeMap::<
+        String,
+        u64,
+    >::new()));
+    if let Some(path) = requests_file {
+        let requests = requests.clone();
+        tokio::spawn(async move {
+            let mut last = String::from("-");
+            loop {
+                let now = {
+                    let r = requests.lock().unwrap();
+                    r.iter()
+                        .map(|(k, v)| format!("{k}:{v} "))
+                        .collect::<String>()
+                };
+                if now != last {
+                    let tmp = path.with_extension("tmp");
+                    if std::fs::write(&tmp, now.trim_end()).is_ok() {
+                        let _ = std::fs::rename(&tmp, &path);
+                    }
+                    last = now;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        });
+    }
     if let Some(path) = bytes_file {
         let sent = sent.clone();
         tokio::spawn(async move {
@@ -221,6 +252,7 @@ async fn proxy(
         println!("conn {n}");
         let upstream = upstream.to_string();
         let sent = sent.clone();
+        let requests = RequestCounter::new(requests.clone());
         tokio::spawn(async move {
             let accepted = tokio::time::Instant::now();
             let Ok(up) = TcpStream::connect(&upstream).await else {
@@ -232,11 +264,94 @@ async fn proxy(
             let gate = accepted + delay * 2;
             let (dr, dw) = down.into_split();
             let (ur, uw) = up.into_split();
-            let a = tokio::spawn(pipe(dr, uw, gate, delay, Some(sent)));
+            let a = tokio::spawn(pipe(dr, uw, gate, delay, Some((sent, requests))));
             let b = tokio::spawn(pipe(ur, dw, gate, delay, None));
             let _ = tokio::join!(a, b);
         });
     }
+}
+
+/// Counts the HTTP/1.1 requests of one connection's client side by kind: request heads
+/// are read up to their blank line and bodies of `Content-Length` skipped. A chunked body
+/// cannot be skipped this cheaply: counting stops for that connection (`UNCOUNTED:1`).
+struct RequestCounter {
+    counts: Arc<std::sync::Mutex<std::collections::BTreeMap<String, u64>>>,
+    head: Vec<u8>,
+    body_left: u64,
+    lost: bool,
+}
+
+impl RequestCounter {
+    fn new(counts: Arc<std::sync::Mutex<std::collections::BTreeMap<String, u64>>>) -> Self {
+        Self {
+            counts,
+            head: Vec::new(),
+            body_left: 0,
+            lost: false,
+        }
+    }
+
+    fn feed(&mut self, mut data: &[u8]) {
+        while !data.is_empty() && !self.lost {
+            if self.body_left > 0 {
+                let n = (self.body_left as usize).min(data.len());
+                self.body_left -= n as u64;
+                data = &data[n..];
+                continue;
+            }
+            let Some(end) = find_blank_line(&self.head, data) else {
+                self.head.extend_from_slice(data);
+                return;
+            };
+            let taken = end - self.head.len();
+            self.head.extend_from_slice(&data[..taken]);
+            data = &data[taken..];
+            let head = std::mem::take(&mut self.head);
+            self.count(&String::from_utf8_lossy(&head));
+        }
+    }
+
+    fn count(&mut self, head: &str) {
+        let mut lines = head.split("\r\n");
+        let mut parts = lines.next().unwrap_or("").split(' ');
+        let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+        let mut chunked = false;
+        for line in lines {
+            let Some((name, value)) = line.split_once(':') else {
+                continue;
+            };
+            match name.trim().to_ascii_lowercase().as_str() {
+                "content-length" => self.body_left = value.trim().parse().unwrap_or(0),
+                "transfer-encoding" => chunked = value.to_ascii_lowercase().contains("chunked"),
+                _ => {}
+            }
+        }
+        // Path-style: `/bucket?list-type=2&…` is a LIST, `/bucket/key…` names an object.
+        let (path, query) = target.split_once('?').unwrap_or((target, ""));
+        let object = path.trim_start_matches('/').contains('/');
+        let kind = match method {
+            "GET" if !object && !query.is_empty() => "LIST",
+            m => m,
+        };
+        let mut counts = self.counts.lock().unwrap();
+        *counts.entry(kind.to_string()).or_default() += 1;
+        if chunked {
+            *counts.entry("UNCOUNTED".to_string()).or_default() += 1;
+            self.lost = true;
+        }
+    }
+}
+
+/// Where the head that `seen` + `more` begins ends (just past its `\r\n\r\n`), as an
+/// offset into `seen` + `more`.
+fn find_blank_line(seen: &[u8], more: &[u8]) -> Option<usize> {
+    let start = seen.len().saturating_sub(3);
+    let mut window: Vec<u8> = seen[start..].to_vec();
+    window.extend_from_slice(more);
+    window
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|i| start + i + 4)
 }
 
 /// Forwards `r` to `w`; every chunk leaves `delay` after it arrived (never before `gate`).
@@ -246,7 +361,7 @@ async fn pipe(
     mut w: tokio::net::tcp::OwnedWriteHalf,
     gate: tokio::time::Instant,
     delay: Duration,
-    counted: Option<Arc<std::sync::atomic::AtomicU64>>,
+    mut counted: Option<(Arc<std::sync::atomic::AtomicU64>, RequestCounter)>,
 ) {
     let (tx, mut rx) = tokio::sync::mpsc::channel::<(tokio::time::Instant, Option<Bytes>)>(4096);
     let reader = async move {
@@ -264,8 +379,9 @@ async fn pipe(
                 }
                 Ok(_) => {
                     let chunk = buf.split().freeze();
-                    if let Some(c) = &counted {
+                    if let Some((c, requests)) = &mut counted {
                         c.fetch_add(chunk.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                        requests.feed(&chunk);
                     }
                     if tx.send((due, Some(chunk))).await.is_err() {
                         break;
@@ -601,12 +717,14 @@ fn main() -> Result<()> {
                 upstream,
                 delay_ms,
                 bytes_file,
+                requests_file,
             } => {
                 proxy(
                     &listen,
                     &upstream,
                     Duration::from_millis(delay_ms),
                     bytes_file,
+                    requests_file,
                 )
                 .await
             }

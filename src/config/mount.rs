@@ -126,6 +126,8 @@ pub struct MountConfig {
     /// The kernel enforces no permissions (default: `default_permissions`).
     pub no_default_permissions: bool,
     pub metadata_ttl: Duration,
+    /// Inodes kept in memory before idle ones are dropped.
+    pub max_entries: usize,
     pub part_size: u64,
     pub max_concurrency: usize,
     /// Bytes of read-ahead data all open files may hold together.
@@ -193,6 +195,7 @@ impl MountConfig {
             file_mode: 0,
             dir_mode: 0,
             metadata_ttl: Duration::ZERO,
+            max_entries: 0,
             part_size: 0,
             max_concurrency: 0,
             max_prefetch_memory: 0,
@@ -342,6 +345,15 @@ impl MountConfig {
                 }
                 self.part_size = size;
             }
+            MaxEntries => {
+                let n: usize = text()?
+                    .parse()
+                    .map_err(|_| invalid(key, "expected a number"))?;
+                if n < 1000 {
+                    return Err(invalid(key, "must be at least 1000"));
+                }
+                self.max_entries = n;
+            }
             MaxConcurrency => {
                 let n: usize = text()?
                     .parse()
@@ -418,6 +430,7 @@ impl MountConfig {
             NoDefaultPermissions => on(self.no_default_permissions),
             MetadataTtl => Some(format_duration(self.metadata_ttl)),
             PartSize => Some(format_size(self.part_size)),
+            MaxEntries => Some(self.max_entries.to_string()),
             MaxConcurrency => Some(self.max_concurrency.to_string()),
             MaxPrefetchMemory => Some(format_size(self.max_prefetch_memory)),
             MaxUploadMemory => Some(format_size(self.max_upload_memory)),

@@ -20,6 +20,7 @@ pub enum OptionId {
     AllowRoot,
     NoDefaultPermissions,
     MetadataTtl,
+    MaxEntries,
     PartSize,
     MaxConcurrency,
     MaxPrefetchMemory,
@@ -338,6 +339,15 @@ pub static MOUNT_OPTIONS: &[OptionSpec] = &[
         "DURATION",
         Value("5s"),
         "How long metadata from S3 is trusted, e.g. 1s, 500ms, 5m",
+    ),
+    OptionSpec::text(
+        Id::MaxEntries,
+        "max-entries",
+        "N",
+        Value("100000"),
+        "Directory entries (inodes) kept in memory, ~0.5 KiB each; past N, the oldest that \
+         nothing uses (no open file, not held by the kernel) are dropped and listed again \
+         when needed. Listings and lookups stay complete at any directory size",
     ),
     OptionSpec::text(
         Id::PartSize,

@@ -666,7 +666,7 @@ impl Filesystem for FuseAdapter {
     fn readdirplus(
         &self,
         _req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         mut reply: ReplyDirectoryPlus,
@@ -677,28 +677,28 @@ impl Filesystem for FuseAdapter {
                 Ok(entries) => {
                     // The kernel takes a reference to every entry it receives but `.` and
                     // `..`; only those that fit in the reply count.
-                    let mut referenced = Vec::new();
-                    for e in entries {
-                        let Some(a) = fs.entry_attr(e.ino) else {
-                            // Dropped from the table since the listing: the kernel will
-                            // look it up by name.
-                            continue;
-                        };
-                        if reply.add(
-                            INodeNo(e.ino),
-                            e.offset,
-                            &e.name,
-                            &a.ttl,
-                            &file_attr(&a),
-                            Generation(0),
-                        ) {
-                            break;
+                    let mut sent = Vec::new();
+                    let mut unsent = Vec::new();
+                    let mut full = false;
+                    for (e, a) in fs.reply_entries(ino.0, entries) {
+                        let counted = e.name != "." && e.name != "..";
+                        if !full {
+                            full = reply.add(
+                                INodeNo(e.ino),
+                                e.offset,
+                                &e.name,
+                                &a.ttl,
+                                &file_attr(&a),
+                                Generation(0),
+                            );
                         }
-                        if e.name != "." && e.name != ".." {
-                            referenced.push(e.ino);
+                        match (counted, full) {
+                            (false, _) => {}
+                            (true, false) => sent.push(e.ino),
+                            (true, true) => unsent.push(e.ino),
                         }
                     }
-                    fs.add_lookups(&referenced);
+                    fs.settle_reply(&sent, &unsent);
                     reply.ok();
                 }
                 Err(e) => reply.error(errno(&e)),

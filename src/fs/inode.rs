@@ -4,12 +4,16 @@
 //! names and the inodes currently bound to them (so listing a directory's known children
 //! costs what it has, not what the table has); an inode is removed once the kernel has forgotten
 //! it (lookup count 0) and no handle has it open. Entries that only a listing created
-//! (lookup count 0) are evicted in bulk when the table grows past its cap, so huge
-//! directories do not pin memory.
+//! (lookup count 0) are evicted oldest first once the table grows past its cap, so huge
+//! directories do not pin memory; an eviction makes the directory incomplete (a lookup
+//! of a name the table lacks then asks S3), and costs O(1) per entry however many
+//! inodes the kernel pins (a scan of the whole table on every insert past the cap made
+//! a walk of 100 000 pinned entries quadratic).
 
 use super::inode_log::{Binding, InodeLog};
 use super::meta::PosixMeta;
-use std::collections::{HashMap, HashSet};
+use crate::s3::UserMeta;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
 
@@ -101,17 +105,24 @@ impl Inode {
 }
 
 pub struct InodeTable {
-    by_ino: HashMap<u64, Inode>,
+    /// Boxed: growing the map then moves pointers, not 300-byte inodes, and never needs
+    /// two copies of every inode at once (the peak RSS of a 100 000-entry walk).
+    by_ino: HashMap<u64, Box<Inode>>,
     /// Directory inode → name → the inode bound to that name.
     children: HashMap<u64, HashMap<String, u64>>,
     next_ino: u64,
     evict_above: usize,
+    /// Inodes a listing created, oldest first: the candidates for eviction. May hold
+    /// inodes gone or pinned since; eviction skips those.
+    evictable: VecDeque<u64>,
     /// Bumped whenever a name is dropped from the table without being deleted in S3, so
     /// a listing that raced with it does not claim to be complete.
     pub forgotten_names: u64,
     /// Bumped by every rename and unlink here, so that a background listing begun before
     /// one does not bring the old name back (see `S3Fs::list_ahead`).
     pub namespace_changes: u64,
+    /// Metadata of the object versions read here, surviving the eviction of their inodes.
+    known: KnownVersions,
     /// Crash recovery (see `inode_log`): where bindings the kernel knows are persisted.
     log: Option<InodeLog>,
     /// Inodes whose binding is in the log.
@@ -147,12 +158,14 @@ impl InodeTable {
             mtime_from_writes: false,
         };
         Self {
-            by_ino: HashMap::from([(ROOT_INO, root)]),
+            by_ino: HashMap::from([(ROOT_INO, Box::new(root))]),
             children: HashMap::new(),
             next_ino: ROOT_INO + 1,
-            evict_above,
+            evict_above: evict_above.max(1),
+            evictable: VecDeque::new(),
             forgotten_names: 0,
             namespace_changes: 0,
+            known: KnownVersions::new(evict_above.max(1).saturating_mul(KNOWN_PER_ENTRY)),
             log: None,
             logged: HashSet::new(),
             recovered: HashSet::new(),
@@ -170,7 +183,7 @@ impl InodeTable {
             }
             self.by_ino.insert(
                 b.ino,
-                Inode {
+                Box::new(Inode {
                     ino: b.ino,
                     parent: b.parent,
                     name: b.name().to_string(),
@@ -193,7 +206,7 @@ impl InodeTable {
                     meta_saved: 0,
                     link_target: None,
                     mtime_from_writes: false,
-                },
+                }),
             );
             self.bind(b.parent, b.name(), b.ino);
             self.logged.insert(b.ino);
@@ -209,7 +222,7 @@ impl InodeTable {
         let mut v: Vec<Binding> = self
             .logged
             .iter()
-            .filter_map(|i| self.by_ino.get(i))
+            .filter_map(|i| self.get(*i))
             .map(Binding::of)
             .collect();
         v.sort_by_key(|b| b.ino);
@@ -247,15 +260,15 @@ impl InodeTable {
     }
 
     pub fn get(&self, ino: u64) -> Option<&Inode> {
-        self.by_ino.get(&ino)
+        self.by_ino.get(&ino).map(|i| &**i)
     }
 
     pub fn get_mut(&mut self, ino: u64) -> Option<&mut Inode> {
-        self.by_ino.get_mut(&ino)
+        self.by_ino.get_mut(&ino).map(|i| &mut **i)
     }
 
     pub fn child(&self, parent: u64, name: &str) -> Option<&Inode> {
-        self.bound(parent, name).and_then(|i| self.by_ino.get(&i))
+        self.bound(parent, name).and_then(|i| self.get(i))
     }
 
     pub fn children_of(&self, parent: u64) -> impl Iterator<Item = &Inode> {
@@ -263,7 +276,7 @@ impl InodeTable {
             .get(&parent)
             .into_iter()
             .flat_map(|names| names.values())
-            .filter_map(|ino| self.by_ino.get(ino))
+            .filter_map(|ino| self.get(*ino))
     }
 
     /// The inode bound to `name` in `parent`.
@@ -335,6 +348,9 @@ impl InodeTable {
                         inode.mtime = mtime;
                         inode.etag = etag;
                         inode.local_only = false;
+                        if inode.meta.is_none() {
+                            self.known.recall(inode);
+                        }
                     }
                     inode.validated = Some(now);
                     return existing;
@@ -345,11 +361,19 @@ impl InodeTable {
             return 0;
         };
         let key = parent_inode.child_key(name, kind);
+        // Room first, so that the inode being added is never the one evicted.
+        if self.by_ino.len() >= self.evict_above {
+            self.evict_oldest();
+            if !self.by_ino.contains_key(&parent) {
+                // The parent was idle too (a directory only a listing knew).
+                return 0;
+            }
+        }
         let ino = self.next_ino;
         self.next_ino += 1;
         self.by_ino.insert(
             ino,
-            Inode {
+            Box::new(Inode {
                 ino,
                 parent,
                 name: name.to_string(),
@@ -372,13 +396,90 @@ impl InodeTable {
                 meta_saved: 0,
                 link_target: None,
                 mtime_from_writes: false,
-            },
+            }),
         );
-        self.bind(parent, name, ino);
-        if self.by_ino.len() > self.evict_above {
-            self.evict_idle();
+        if let Some(i) = self.by_ino.get_mut(&ino) {
+            self.known.recall(i);
         }
+        self.bind(parent, name, ino);
+        self.evictable.push_back(ino);
         ino
+    }
+
+    /// Takes the metadata S3 returned for `ino`'s version (HEAD: its user metadata and
+    /// Last-Modified `stamp`), unless a change made here is not saved yet, and remembers
+    /// it for that version.
+    /// What a HEAD of file `key` said, for a version whose inode is gone (evicted while
+    /// the HEAD was under way): kept for when the name is listed again.
+    pub fn remember_version(&mut self, key: &str, etag: &str, h: &UserMeta, stamp: SystemTime) {
+        let meta = if h.is_empty() {
+            no_meta()
+        } else {
+            Arc::new(PosixMeta::from_headers(h, key))
+        };
+        self.known.remember_version(key, etag, stamp, meta);
+    }
+
+    pub fn set_meta(&mut self, ino: u64, h: &UserMeta, stamp: SystemTime) {
+        let Some(i) = self.by_ino.get_mut(&ino) else {
+            return;
+        };
+        if i.meta_changes != i.meta_saved {
+            return;
+        }
+        let meta = if h.is_empty() {
+            no_meta()
+        } else {
+            Arc::new(PosixMeta::from_headers(h, &i.key))
+        };
+        i.meta = Some(meta);
+        i.meta_stamp = Some(stamp);
+        i.link_target = None;
+        self.known.remember(i);
+    }
+
+    /// True when nothing but the table refers to `i`: S3 can tell it again.
+    fn idle(i: &Inode) -> bool {
+        i.ino != ROOT_INO
+            && i.lookups == 0
+            && i.open_handles == 0
+            && !i.being_written()
+            && !i.local_only
+    }
+
+    /// Evicts the oldest idle inodes until the table is a tenth below its cap (or nothing
+    /// idle is left), so that the next evictions are a page's worth of inserts away.
+    fn evict_oldest(&mut self) {
+        let target = self.evict_above - self.evict_above / 10;
+        // The newest candidates are a listing page being handed out: when the kernel pins
+        // everything older (`ls -l` of a directory larger than the cap), evicting them would
+        // drop each entry before the kernel gets it, and its metadata with it.
+        let keep_newest = (self.evict_above / 4).min(RECENT_KEPT);
+        while self.by_ino.len() > target && self.evictable.len() > keep_newest {
+            let Some(ino) = self.evictable.pop_front() else {
+                break;
+            };
+            if self.by_ino.get(&ino).is_some_and(|i| Self::idle(i)) {
+                self.evict(ino);
+            }
+        }
+        // Pinned and removed inodes leave stale candidates behind: drop them before the
+        // queue outgrows the table.
+        if self.evictable.len() > 2 * self.by_ino.len() + 1024 {
+            let by_ino = &self.by_ino;
+            self.evictable
+                .retain(|ino| by_ino.get(ino).is_some_and(|i| Self::idle(i)));
+        }
+    }
+
+    fn evict(&mut self, ino: u64) {
+        if let Some(i) = self.by_ino.remove(&ino) {
+            if self.bound(i.parent, &i.name) == Some(ino) {
+                self.unbind_name(i.parent, &i.name);
+                self.forget_completeness(i.parent);
+            }
+        }
+        self.log_gone(ino);
     }
 
     /// Unbinds `name`; the inode itself lives on until the kernel forgets it.
@@ -464,10 +565,27 @@ impl InodeTable {
     }
 
     pub fn add_lookup(&mut self, ino: u64) {
+        self.pin(ino);
+        self.log_known(ino);
+    }
+
+    /// One more reference that keeps `ino` from eviction, not logged: a READDIRPLUS
+    /// reply pins every entry before it knows which fit (see `S3Fs::reply_entries`).
+    pub fn pin(&mut self, ino: u64) {
         if let Some(i) = self.by_ino.get_mut(&ino) {
             i.lookups += 1;
         }
-        self.log_known(ino);
+    }
+
+    /// Drops a `pin` that the kernel did not take over; the inode stays (an evictable
+    /// listing entry again, its directory still complete).
+    pub fn unpin(&mut self, ino: u64) {
+        if let Some(i) = self.by_ino.get_mut(&ino) {
+            i.lookups = i.lookups.saturating_sub(1);
+            if i.lookups == 0 && Self::idle(i) {
+                self.evictable.push_back(ino);
+            }
+        }
     }
 
     /// A file created here is in S3 now. A listing fetched ahead while it was not (see
@@ -527,24 +645,13 @@ impl InodeTable {
         let idle: Vec<u64> = self
             .by_ino
             .values()
-            .filter(|i| {
-                i.ino != ROOT_INO
-                    && i.lookups == 0
-                    && i.open_handles == 0
-                    && !i.being_written()
-                    && !i.local_only
-            })
+            .filter(|i| Self::idle(i))
             .map(|i| i.ino)
             .collect();
         for ino in idle {
-            if let Some(i) = self.by_ino.remove(&ino) {
-                if self.bound(i.parent, &i.name) == Some(ino) {
-                    self.unbind_name(i.parent, &i.name);
-                    self.forget_completeness(i.parent);
-                }
-            }
-            self.log_gone(ino);
+            self.evict(ino);
         }
+        self.evictable.clear();
     }
 
     pub fn len(&self) -> usize {
@@ -578,6 +685,92 @@ impl InodeTable {
         // create() hands the number to the kernel without add_lookup.
         self.log_known(ino);
         Some(ino)
+    }
+}
+
+/// Inodes a listing created last that eviction leaves alone (two LIST pages).
+const RECENT_KEPT: usize = 2000;
+/// Known versions kept per `--max-entries`: their metadata outlives the inodes.
+const KNOWN_PER_ENTRY: usize = 4;
+
+/// The metadata of an object without any (most objects): one allocation for all.
+fn no_meta() -> Arc<PosixMeta> {
+    static EMPTY: std::sync::OnceLock<Arc<PosixMeta>> = std::sync::OnceLock::new();
+    EMPTY.get_or_init(|| Arc::new(PosixMeta::default())).clone()
+}
+
+/// A stable 64-bit hash (FNV-1a) of a key or an ETag.
+fn fnv64(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// The metadata of file versions (key + ETag + Last-Modified to the second) read here,
+/// oldest dropped first past `cap`: an entry evicted from the table and listed again, the
+/// same version, needs no HEAD. Keys and ETags are kept as 64-bit hashes (~50 bytes an
+/// entry with the map's own; both hashes would have to collide for a wrong answer).
+struct KnownVersions {
+    by_key: HashMap<u64, KnownVersion>,
+    order: VecDeque<u64>,
+    cap: usize,
+}
+
+struct KnownVersion {
+    etag: u64,
+    stamp: u64,
+    meta: Arc<PosixMeta>,
+}
+
+impl KnownVersions {
+    fn new(cap: usize) -> Self {
+        Self {
+            by_key: HashMap::new(),
+            order: VecDeque::new(),
+            cap,
+        }
+    }
+
+    fn remember(&mut self, i: &Inode) {
+        let (Kind::File, Some(etag), Some(stamp), Some(meta)) =
+            (i.kind, i.etag.as_deref(), i.meta_stamp, i.meta.clone())
+        else {
+            return;
+        };
+        self.remember_version(&i.key, etag, stamp, meta);
+    }
+
+    fn remember_version(&mut self, key: &str, etag: &str, stamp: SystemTime, meta: Arc<PosixMeta>) {
+        let key = fnv64(key);
+        let known = KnownVersion {
+            etag: fnv64(etag),
+            stamp: whole_seconds(stamp),
+            meta,
+        };
+        if self.by_key.insert(key, known).is_none() {
+            self.order.push_back(key);
+        }
+        while self.by_key.len() > self.cap {
+            match self.order.pop_front() {
+                Some(old) => self.by_key.remove(&old),
+                None => break,
+            };
+        }
+    }
+
+    /// Gives `i` the metadata known for the version it shows, if any.
+    fn recall(&self, i: &mut Inode) {
+        let (Kind::File, Some(etag)) = (i.kind, i.etag.as_deref()) else {
+            return;
+        };
+        let Some(k) = self.by_key.get(&fnv64(&i.key)) else {
+            return;
+        };
+        if k.etag == fnv64(etag) && k.stamp == whole_seconds(i.mtime) {
+            i.meta = Some(k.meta.clone());
+            i.meta_stamp = Some(i.mtime);
+            i.link_target = None;
+        }
     }
 }
 

@@ -1,7 +1,6 @@
 //! Names to inodes: lookup (HEAD and LIST together), the listing of siblings ahead of
 //! their lookups, getattr, and the kernel forgetting inodes.
 
-use super::meta_update::{head_batch, set_meta_from};
 use super::*;
 use crate::s3::UserMeta;
 
@@ -86,33 +85,36 @@ impl S3Fs {
     async fn find(&self, parent: u64, name: &str, kernel_ref: bool) -> FsResult<Attr> {
         check_name(name)?;
         let parent_inode = self.dir_inode(parent)?;
-        let load_first = {
-            let mut t = self.inodes();
-            if let Some(child) = t.child(parent, name) {
-                if self.fresh(child) {
-                    if self.needs_meta(child) {
-                        // Known from a listing, which tells no metadata: one HEAD first.
-                        Some(child.ino)
-                    } else {
-                        let attr = self.attr_of(child);
-                        if kernel_ref {
-                            t.add_lookup(attr.ino);
+        // A child known from a listing, which tells no metadata, needs one HEAD first. If
+        // the table evicts it meanwhile (a directory larger than the table's cap), it is
+        // looked up again: a name that exists is never ENOENT for want of an inode.
+        for _ in 0..3 {
+            let load_first = {
+                let mut t = self.inodes();
+                match t.child(parent, name) {
+                    Some(child) if self.fresh(child) => {
+                        if !self.needs_meta(child) {
+                            let attr = self.attr_of(child);
+                            if kernel_ref {
+                                t.add_lookup(attr.ino);
+                            }
+                            return Ok(attr);
                         }
-                        return Ok(attr);
+                        child.clone()
                     }
-                } else {
-                    None
+                    Some(_) => break,
+                    None if self.listing_fresh(&parent_inode) => return Err(FsError::NotFound),
+                    None => break,
                 }
-            } else if self.listing_fresh(&parent_inode) {
-                return Err(FsError::NotFound);
-            } else {
-                None
-            }
-        };
-        if let Some(ino) = load_first {
-            self.load_meta(&[ino]).await;
+            };
+            self.load_meta_for_stat(&load_first).await;
             let mut t = self.inodes();
-            let child = t.get(ino).ok_or(FsError::NotFound)?;
+            let Some(child) = t
+                .get(load_first.ino)
+                .filter(|c| c.parent == parent && c.name == name)
+            else {
+                continue;
+            };
             let attr = self.attr_of(child);
             if kernel_ref {
                 t.add_lookup(attr.ino);
@@ -135,8 +137,8 @@ impl S3Fs {
                 }
                 let mtime = meta.mtime;
                 let ino = t.upsert(parent, name, kind, meta.size, meta.mtime, meta.etag);
-                if let (Some(h), Some(i)) = (headers, t.get_mut(ino)) {
-                    set_meta_from(i, &h, mtime);
+                if let Some(h) = headers {
+                    t.set_meta(ino, &h, mtime);
                 }
                 if kernel_ref {
                     t.add_lookup(ino);
@@ -181,7 +183,8 @@ impl S3Fs {
         let client = self.client.clone();
         let inodes = self.inodes.clone();
         let (ino, key, dir_mtime) = (dir.ino, dir.key.clone(), self.mount_time);
-        let with_meta = self.cfg.posix_metadata;
+        let with_meta = self.cfg.posix_metadata && self.stat_ahead.statting(dir.ino);
+        let fs_heads = self.head_starter();
         tokio::spawn(async move {
             let (started, forgotten, changes) = {
                 let t = lock(&inodes);
@@ -205,8 +208,9 @@ impl S3Fs {
                 let (heads, whole) = absorb_background_page(
                     &inodes, ino, &key, &page, changes, dir_mtime, with_meta,
                 );
-                // The siblings' metadata too, so that their lookups cost nothing.
-                head_batch(&client, &inodes, heads, dir_mtime).await;
+                // The siblings' metadata too while they are being stat'ed, so that their
+                // lookups cost nothing.
+                fs_heads.start(heads);
                 let mut t = lock(&inodes);
                 token = page.next_token;
                 if token.is_none() {
@@ -232,8 +236,8 @@ impl S3Fs {
         if (i.kind == Kind::Dir || self.fresh(&i)) && !self.needs_meta(&i) {
             return Ok(self.attr_of(&i));
         }
-        if i.kind == Kind::Dir {
-            self.load_meta(&[ino]).await;
+        if i.kind == Kind::Dir || self.fresh(&i) {
+            self.load_meta_for_stat(&i).await;
             return Ok(self.attr_of(&self.inode(ino)?));
         }
         self.head_attr(ino, &i).await
@@ -259,9 +263,10 @@ impl S3Fs {
                     i.mtime = meta.mtime;
                     i.etag = meta.etag;
                     if let Some(h) = headers {
-                        set_meta_from(i, &h, meta.mtime);
+                        t.set_meta(ino, &h, meta.mtime);
                     }
                 }
+                let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
                 i.validated = Some(Instant::now());
                 Ok(self.attr_of(i))
             }

@@ -13,7 +13,7 @@
 
 use super::meta::{NodeType, PosixMeta, S_IFLNK, S_IFMT, S_IFREG};
 use super::*;
-use crate::s3::UserMeta;
+use crate::s3::{S3Result, UserMeta};
 use futures::StreamExt;
 
 /// How long a metadata change waits for others to share its CopyObject, by default
@@ -27,28 +27,20 @@ static ALL_HEADS_IN_FLIGHT: tokio::sync::Semaphore = tokio::sync::Semaphore::con
 /// Longest symlink target (Linux's PATH_MAX).
 const MAX_LINK: usize = 4096;
 
-/// Takes the metadata S3 returned for `i`, unless a change made here is not saved yet.
-pub(super) fn set_meta_from(i: &mut Inode, h: &UserMeta, stamp: SystemTime) {
-    if i.meta_changes != i.meta_saved {
-        return;
-    }
-    i.meta = Some(Arc::new(PosixMeta::from_headers(h, &i.key)));
-    i.meta_stamp = Some(stamp);
-    i.link_target = None;
-}
-
 /// True when `i`'s metadata is unknown and S3 can tell it (see `S3Fs::needs_meta`).
 pub(super) fn unknown_meta(i: &Inode) -> bool {
     i.meta.is_none() && !i.being_written() && !i.local_only && i.ino != inode::ROOT_INO
 }
 
-/// HEADs `todo` (inode, key, kind), `HEADS_IN_FLIGHT` at once, and stores what each
-/// says. Failures leave the metadata unknown (the defaults show, the next access asks).
+/// HEADs `todo` (inode, key, kind), `HEADS_IN_FLIGHT` at once, stores what each says
+/// and calls `done` with the inode once it is stored. Failures leave the metadata
+/// unknown (the defaults show, the next access asks).
 pub(super) async fn head_batch(
     client: &Arc<dyn ObjectClient>,
     inodes: &Mutex<InodeTable>,
     todo: Vec<(u64, String, Kind)>,
     mount_time: SystemTime,
+    mut done: impl FnMut(u64),
 ) {
     if todo.is_empty() {
         return;
@@ -56,34 +48,52 @@ pub(super) async fn head_batch(
     let mut heads = futures::stream::iter(todo)
         .map(|(ino, key, kind)| async move {
             let _slot = ALL_HEADS_IN_FLIGHT.acquire().await;
-            (ino, kind, client.head_object_with_meta(&key).await)
+            let res = client.head_object_with_meta(&key).await;
+            (ino, key, kind, res)
         })
         .buffer_unordered(HEADS_IN_FLIGHT);
-    while let Some((ino, kind, res)) = heads.next().await {
-        let mut t = lock(inodes);
-        let Some(i) = t.get_mut(ino) else {
-            continue;
-        };
-        if i.being_written() || i.local_only {
-            continue;
-        }
-        match res {
-            Ok((m, h)) => {
-                if kind == Kind::File {
-                    i.size = m.size;
-                    i.etag = m.etag;
-                    i.mtime = m.mtime;
-                }
-                set_meta_from(i, &h, m.mtime);
+    while let Some((ino, key, kind, res)) = heads.next().await {
+        store_head(inodes, ino, &key, kind, res, mount_time);
+        done(ino);
+    }
+}
+
+fn store_head(
+    inodes: &Mutex<InodeTable>,
+    ino: u64,
+    key: &str,
+    kind: Kind,
+    res: S3Result<(crate::s3::ObjectMeta, UserMeta)>,
+    mount_time: SystemTime,
+) {
+    let mut t = lock(inodes);
+    let Some(i) = t.get_mut(ino).filter(|i| i.key == key) else {
+        if let (Kind::File, Ok((m, h))) = (kind, &res) {
+            if let Some(etag) = &m.etag {
+                t.remember_version(key, etag, h, m.mtime);
             }
-            // An implicit directory: no marker, no metadata.
-            Err(S3Error::NotFound) if kind == Kind::Dir => {
-                set_meta_from(i, &UserMeta::new(), mount_time)
-            }
-            // Deleted since the listing: the next lookup asks S3 again.
-            Err(S3Error::NotFound) => i.validated = None,
-            Err(e) => tracing::debug!(key = %i.key, error = %e, "could not load metadata"),
         }
+        return;
+    };
+    if i.being_written() || i.local_only {
+        return;
+    }
+    match res {
+        Ok((m, h)) => {
+            if kind == Kind::File {
+                i.size = m.size;
+                i.etag = m.etag;
+                i.mtime = m.mtime;
+            }
+            t.set_meta(ino, &h, m.mtime);
+        }
+        // An implicit directory: no marker, no metadata.
+        Err(S3Error::NotFound) if kind == Kind::Dir => {
+            t.set_meta(ino, &UserMeta::new(), mount_time)
+        }
+        // Deleted since the listing: the next lookup asks S3 again.
+        Err(S3Error::NotFound) => i.validated = None,
+        Err(e) => tracing::debug!(key = %i.key, error = %e, "could not load metadata"),
     }
 }
 
@@ -128,22 +138,6 @@ pub(super) fn new_meta(mode: u32, who: Creator) -> PosixMeta {
 }
 
 impl S3Fs {
-    /// Loads the metadata of those of `inos` whose metadata is unknown: a HEAD each (of
-    /// the marker for a directory), `HEADS_IN_FLIGHT` at once. Failures leave it unknown
-    /// (the defaults show, the next access asks again).
-    pub(super) async fn load_meta(&self, inos: &[u64]) {
-        let todo: Vec<(u64, String, Kind)> = {
-            let t = self.inodes();
-            inos.iter()
-                .filter_map(|ino| t.get(*ino))
-                .filter(|i| self.needs_meta(i))
-                .map(|i| (i.ino, i.key.clone(), i.kind))
-                .collect()
-        };
-        head_batch(&self.client, &self.inodes, todo, self.mount_time).await;
-        // What the batch changed is not in the inode log (no bindings change): no flush.
-    }
-
     /// The headers the next upload of `ino` carries, if stored metadata is honoured. A
     /// file written since it was last saved gets the time of its last write as mtime.
     pub(super) fn upload_headers(&self, ino: u64) -> Option<UserMeta> {

@@ -44,6 +44,7 @@ pub mod ranges;
 mod readdir;
 pub mod session;
 pub mod staging;
+mod stat_ahead;
 pub mod upload;
 mod walk_ahead;
 mod writer;
@@ -72,8 +73,6 @@ const MAX_KEY_LEN: usize = 1024;
 const LIST_PAGE: i32 = 1000;
 /// Pages a background listing after a lookup miss reads at most (see `list_ahead`).
 const LIST_AHEAD_PAGES: usize = 5;
-/// Inode table size above which entries nobody holds are dropped.
-const INODE_CAP: usize = 50_000;
 /// How long the mount waits for its conditional-write check (`start_background`).
 const CONDITION_PROBE_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -101,6 +100,8 @@ pub struct FsConfig {
     pub file_mode: u16,
     pub dir_mode: u16,
     pub metadata_ttl: Duration,
+    /// Inode table size above which entries nobody holds are dropped (`--max-entries`).
+    pub max_entries: usize,
     pub read_only: bool,
     pub part_size: u64,
     pub max_concurrency: usize,
@@ -146,6 +147,7 @@ impl From<&MountConfig> for FsConfig {
             file_mode: cfg.file_mode,
             dir_mode: cfg.dir_mode,
             metadata_ttl: cfg.metadata_ttl,
+            max_entries: cfg.max_entries,
             read_only: cfg.read_only,
             part_size: cfg.part_size,
             max_concurrency: cfg.max_concurrency,
@@ -208,6 +210,18 @@ pub struct DirEntry {
     /// The type `d_type` shows (what the stored mode says, when known).
     pub node: meta::NodeType,
     pub name: String,
+    /// The version the listing showed (`None` for `.`, `..` and files only this mount
+    /// knows): what a READDIRPLUS reply binds the name to again if the table evicted
+    /// `ino` meanwhile.
+    pub listed: Option<ListedVersion>,
+}
+
+/// What a LIST page says of one child.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListedVersion {
+    pub size: u64,
+    pub mtime: SystemTime,
+    pub etag: Option<String>,
 }
 
 /// How a file was opened, reduced to what matters here.
@@ -247,6 +261,8 @@ pub struct S3Fs {
     staged: Mutex<HashMap<u64, edit::Staged>>,
     /// Directory listings fetched ahead of a tree walk (see `walk_ahead.rs`).
     walk: Mutex<walk_ahead::WalkAhead>,
+    /// Metadata HEADs under way and what a stat loads ahead (see `stat_ahead.rs`).
+    stat_ahead: Arc<stat_ahead::StatAhead>,
     /// `--write-back`: staged files to upload, by inode, when and after how many failures.
     write_back: Mutex<HashMap<u64, (Instant, u32)>>,
     write_back_wake: tokio::sync::Notify,
@@ -308,7 +324,7 @@ impl S3Fs {
             inodes: Arc::new(Mutex::new(InodeTable::new(
                 cfg.prefix.clone(),
                 mount_time,
-                INODE_CAP,
+                cfg.max_entries,
             ))),
             inode_log: std::sync::OnceLock::new(),
             client: deletes.clone(),
@@ -327,6 +343,7 @@ impl S3Fs {
             memory_cache,
             staged: Mutex::new(HashMap::new()),
             walk: Mutex::new(Default::default()),
+            stat_ahead: Default::default(),
             write_back: Mutex::new(HashMap::new()),
             write_back_wake: tokio::sync::Notify::new(),
         }
@@ -418,8 +435,15 @@ impl S3Fs {
             gid: m.and_then(|m| m.gid).unwrap_or(self.cfg.gid),
             // Also while a file is being written: every write goes through the kernel, which
             // updates the size itself and drops its cached times, so a cached answer cannot go
-            // stale; and `stat` right after creating a file costs no round trip to us.
-            ttl: self.cfg.metadata_ttl,
+            // stale; and `stat` right after creating a file costs no round trip to us. An
+            // entry listed without its metadata is not cached at all: its first stat comes
+            // back for the HEAD (see `stat_ahead.rs`), by name, so that a symlink or special
+            // file a listing could not tell from a file gets an inode of its type.
+            ttl: if self.needs_meta(i) {
+                Duration::ZERO
+            } else {
+                self.cfg.metadata_ttl
+            },
         }
     }
 

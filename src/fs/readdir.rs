@@ -124,6 +124,54 @@ impl S3Fs {
         )
     }
 
+    /// The attributes of a READDIRPLUS reply's entries, each pinned in the table (the
+    /// kernel takes a reference to every entry it receives): an entry whose inode was
+    /// evicted since its page was listed is bound again to the version listed, so that no
+    /// listed name goes missing. `settle_reply` says which the kernel got.
+    pub fn reply_entries(&self, dir: u64, entries: Vec<DirEntry>) -> Vec<(DirEntry, Attr)> {
+        let mut t = self.inodes();
+        let mut out = Vec::with_capacity(entries.len());
+        for mut e in entries {
+            if e.name == "." || e.name == ".." {
+                if let Some(i) = t.get(e.ino) {
+                    out.push((e, self.attr_of(i)));
+                }
+                continue;
+            }
+            let current = t
+                .get(e.ino)
+                .filter(|i| i.parent == dir && i.name == e.name)
+                .map(|i| i.ino)
+                .or_else(|| t.child(dir, &e.name).map(|i| i.ino));
+            let ino = match (current, &e.listed) {
+                (Some(ino), _) => ino,
+                (None, Some(v)) => t.upsert(dir, &e.name, e.kind, v.size, v.mtime, v.etag.clone()),
+                // A local file gone meanwhile: unlinked through this mount.
+                (None, None) => continue,
+            };
+            t.pin(ino);
+            let Some(i) = t.get(ino) else {
+                continue;
+            };
+            e.ino = ino;
+            out.push((e, self.attr_of(i)));
+        }
+        out
+    }
+
+    /// After a READDIRPLUS reply: the kernel now holds `sent` (logged for a replacement
+    /// mounter); the pins of the entries that did not fit are dropped.
+    pub fn settle_reply(&self, sent: &[u64], unsent: &[u64]) {
+        let mut t = self.inodes();
+        for ino in sent {
+            t.add_lookup(*ino);
+            t.unpin(*ino);
+        }
+        for ino in unsent {
+            t.unpin(*ino);
+        }
+    }
+
     pub fn releasedir(&self, fh: u64) {
         lock(&self.handles).remove(&fh);
     }
@@ -161,7 +209,12 @@ impl S3Fs {
     }
 
     pub(super) async fn fill(&self, d: &mut DirStream) -> FsResult<()> {
-        let push = |d: &mut DirStream, ino: u64, kind: Kind, node: NodeType, name: String| {
+        let push = |d: &mut DirStream,
+                    ino: u64,
+                    kind: Kind,
+                    node: NodeType,
+                    name: String,
+                    listed: Option<ListedVersion>| {
             let offset = d.next_offset;
             d.next_offset += 1;
             d.buffered.push_back(DirEntry {
@@ -170,14 +223,15 @@ impl S3Fs {
                 kind,
                 node,
                 name,
+                listed,
             });
         };
         if !d.started {
             d.started = true;
             d.pass_start = Some((Instant::now(), self.inodes().forgotten_names));
             let (ino, parent) = (d.ino, d.parent);
-            push(d, ino, Kind::Dir, NodeType::Dir, ".".into());
-            push(d, parent, Kind::Dir, NodeType::Dir, "..".into());
+            push(d, ino, Kind::Dir, NodeType::Dir, ".".into(), None);
+            push(d, parent, Kind::Dir, NodeType::Dir, "..".into(), None);
             // Files created here and not uploaded yet: S3 cannot list them.
             let locals: Vec<(u64, Kind, NodeType, String)> = self
                 .inodes()
@@ -187,7 +241,7 @@ impl S3Fs {
                 .collect();
             for (ino, kind, node, name) in locals {
                 d.local_names.insert(name.clone());
-                push(d, ino, kind, node, name);
+                push(d, ino, kind, node, name, None);
             }
             return Ok(());
         }
@@ -215,34 +269,47 @@ impl S3Fs {
         };
         let mut entries = page_entries(&d.key, &page, self.mount_time);
         entries.retain(|e| !d.local_names.contains(&e.name));
-        let listed: Vec<(u64, Kind, String)> = {
+        let listed: Vec<(u64, Kind, String, ListedVersion)> = {
             let mut t = self.inodes();
             entries
                 .into_iter()
                 .map(|e| {
+                    let version = ListedVersion {
+                        size: e.size,
+                        mtime: e.mtime,
+                        etag: e.etag.clone(),
+                    };
                     let ino = t.upsert(d.ino, &e.name, e.kind, e.size, e.mtime, e.etag);
-                    (ino, e.kind, e.name)
+                    (ino, e.kind, e.name, version)
                 })
-                .filter(|(ino, _, _)| *ino != 0)
+                .filter(|(ino, _, _, _)| *ino != 0)
                 .collect()
         };
-        // LIST tells no metadata: HEAD, in parallel, every entry whose metadata is not
-        // known for the version listed (see `Inode::meta_stamp`), so that the stat of
-        // each that `ls -l` and READDIRPLUS make next costs nothing.
+        // LIST tells no metadata, and a names-only walk needs none: entries whose metadata
+        // is unknown go out uncached, and their HEADs wait for the first stat, unless
+        // the directory's files are being stat'ed already (see `stat_ahead.rs`).
         if self.cfg.posix_metadata {
-            let inos: Vec<u64> = listed.iter().map(|(ino, _, _)| *ino).collect();
-            self.load_meta(&inos).await;
+            let inos: Vec<u64> = listed.iter().map(|(ino, ..)| *ino).collect();
+            if self.stat_ahead.statting(d.ino) {
+                self.start_heads(self.unknown_of(&inos));
+            }
+            self.stat_ahead.note_page(d.ino, inos);
         }
         let mut t = self.inodes();
         let subdirs: Vec<u64> = listed
             .iter()
-            .filter(|(_, kind, _)| *kind == Kind::Dir)
-            .map(|(ino, _, _)| *ino)
+            .filter(|(_, kind, ..)| *kind == Kind::Dir)
+            .map(|(ino, ..)| *ino)
             .collect();
         lock(&self.walk).note_subdirs(d.ino, first_page, &subdirs);
-        for (ino, kind, name) in listed {
-            let node = t.get(ino).map_or(NodeType::File, |i| self.attr_of(i).node);
-            push(d, ino, kind, node, name);
+        for (ino, kind, name, version) in listed {
+            // An inode evicted since (a table at its cap) is bound again by the reply.
+            let node = match t.get(ino) {
+                Some(i) => self.attr_of(i).node,
+                None if kind == Kind::Dir => NodeType::Dir,
+                None => NodeType::File,
+            };
+            push(d, ino, kind, node, name, Some(version));
         }
         d.token = page.next_token;
         d.listed_all = d.token.is_none();

@@ -581,7 +581,9 @@ async fn a_lookup_miss_lists_the_directory_for_its_siblings() {
         tokio::task::yield_now().await;
     }
     tokio::time::sleep(Duration::from_millis(20)).await;
-    let before = mem.metadata_requests();
+    // The listing tells names and sizes, not metadata: the first stat of a sibling HEADs
+    // it and the siblings listed after it, each once, and sends no LIST.
+    let (lists, heads) = (mem.lists(), mem.heads());
     for i in 1..50 {
         assert_eq!(fs.lookup(d.ino, &format!("f{i}")).await.unwrap().size, 1);
     }
@@ -589,11 +591,48 @@ async fn a_lookup_miss_lists_the_directory_for_its_siblings() {
         fs.lookup(d.ino, "missing").await,
         Err(FsError::NotFound)
     ));
-    assert_eq!(
-        mem.metadata_requests(),
-        before,
-        "siblings should come from the listing"
-    );
+    assert_eq!(mem.lists(), lists, "siblings should come from the listing");
+    assert!(mem.heads() - heads <= 49, "{} HEADs", mem.heads() - heads);
+    let before = mem.metadata_requests();
+    for i in 1..50 {
+        fs.lookup(d.ino, &format!("f{i}")).await.unwrap();
+    }
+    assert_eq!(mem.metadata_requests(), before, "all known now");
+}
+
+/// `ls`, `find -name`, `os.scandir` without stat: a walk that needs names only costs
+/// LISTs (and a HEAD per directory, whose marker may restrict access), never a HEAD per
+/// file; the entries go out uncached until their metadata is known.
+#[tokio::test]
+async fn a_names_only_walk_costs_lists_only() {
+    let mem = Arc::new(MemClient::new());
+    for d in 0..3 {
+        for f in 0..40 {
+            mem.insert(&format!("t/d{d}/f{f:02}"), "x");
+        }
+    }
+    let fs = fs_with(mem.clone(), "");
+    let t = fs.lookup(ROOT, "t").await.unwrap();
+    // The lookup miss lists the root in the background.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let (lists, heads) = (mem.lists(), mem.heads());
+    let mut files = 0;
+    for e in all_entries(&fs, t.ino).await {
+        if e.name.starts_with('d') {
+            let dir = fs.lookup(t.ino, &e.name).await.unwrap();
+            for f in all_entries(&fs, dir.ino).await {
+                if f.name.starts_with('f') {
+                    files += 1;
+                    assert_eq!(fs.entry_attr(f.ino).unwrap().ttl, Duration::ZERO);
+                }
+            }
+        }
+    }
+    assert_eq!(files, 120);
+    // Let the walk's background listings land.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(mem.lists() - lists <= 4, "{} LISTs", mem.lists() - lists);
+    assert!(mem.heads() - heads <= 3, "{} HEADs", mem.heads() - heads);
 }
 
 /// `rm` of many files once the TTL has passed: the listing fetched after the first lookup
@@ -616,6 +655,12 @@ async fn a_listing_stale_about_names_still_confirms_the_unchanged_siblings() {
     );
     let d = fs.lookup(ROOT, "d").await.unwrap();
     assert_eq!(names(&fs, d.ino).await.len(), 23);
+    // `ls -l`: every entry's metadata is known.
+    for n in names(&fs, d.ino).await {
+        if n != "." && n != ".." {
+            fs.lookup(d.ino, &n).await.unwrap();
+        }
+    }
     tokio::time::sleep(Duration::from_millis(150)).await;
     // The LIST is sent (this one, not the mount's own listing ahead), and meanwhile f00 is
     // removed through the mount and `changed` replaced by it.
@@ -767,6 +812,10 @@ async fn opening_a_subdirectory_lists_its_next_siblings_ahead() {
     all_entries(&fs, t.ino).await;
     let d0 = fs.lookup(t.ino, "d0").await.unwrap();
     all_entries(&fs, d0.ino).await;
+    // `ls -lR` stats what it lists: the tree's files are being stat'ed from now on.
+    for f in 0..10 {
+        fs.lookup(d0.ino, &format!("f{f}")).await.unwrap();
+    }
     // Let the listings ahead land.
     let mut settled = mem.metadata_requests();
     for _ in 0..50 {
@@ -777,7 +826,7 @@ async fn opening_a_subdirectory_lists_its_next_siblings_ahead() {
         }
         settled = now;
     }
-    let before = mem.metadata_requests();
+    let (lists, heads) = (mem.lists(), mem.heads());
     for d in 1..4 {
         let dir = fs.lookup(t.ino, &format!("d{d}")).await.unwrap();
         let names: Vec<String> = all_entries(&fs, dir.ino)
@@ -791,7 +840,10 @@ async fn opening_a_subdirectory_lists_its_next_siblings_ahead() {
             assert_eq!(a.perm, 0o600);
         }
     }
-    assert_eq!(mem.metadata_requests(), before, "all listed ahead");
+    // No LIST: every page was fetched ahead. The files' HEADs started as their pages
+    // were taken (their directory's sibling was being stat'ed), each file's once.
+    assert_eq!(mem.lists(), lists, "all listed ahead");
+    assert!(mem.heads() - heads <= 33, "{} HEADs", mem.heads() - heads);
 }
 
 /// A page listed ahead is not used once a name changed through the mount since.
@@ -913,6 +965,20 @@ async fn s3fs_metadata_is_shown_and_listings_load_it_in_one_batch(store: Store) 
     store.put("d/plain", "p").await;
     let fs = fs_with_store(&store, "");
     let d = fs.lookup(ROOT, "d").await.unwrap();
+    let entries = all_entries(&fs, d.ino).await;
+    // A listing tells no metadata: its entries go out uncached, so that the first stat
+    // of each asks (and a symlink gets an inode of its type then).
+    for e in entries.iter().filter(|e| e.name != "." && e.name != "..") {
+        assert_eq!(
+            fs.entry_attr(e.ino).unwrap().ttl,
+            Duration::ZERO,
+            "{}",
+            e.name
+        );
+    }
+    // The first stat loads the metadata of the entries listed after it in one batch.
+    let a = fs.lookup(d.ino, "bad").await.unwrap();
+    assert_eq!(a.node, NodeType::File);
     let entries = all_entries(&fs, d.ino).await;
     let node = |n: &str| entries.iter().find(|e| e.name == n).unwrap().node;
     assert_eq!(node("lnk"), NodeType::Symlink);
@@ -1279,4 +1345,86 @@ async fn random_reads_are_kept_in_memory_for_every_handle() {
         read(tail + 100, 500).await.as_ref(),
         &other[tail + 100..tail + 600]
     );
+}
+
+/// A directory five times the table's cap (`--max-entries`), walked as `ls -f` and then
+/// as `ls -l` does through the kernel (READDIRPLUS replies of which only some entries fit,
+/// the kernel holding those and dropping them a batch at a time as its cache would, a
+/// stat of each name), then stat'ed at random past the TTL: every listed name resolves
+/// every time, to the inode the listing gave, while eviction runs all along.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_directory_larger_than_the_entry_cap_never_loses_a_name() {
+    const KEYS: usize = 5_000;
+    const CAP: usize = 1_000;
+    let mem = Arc::new(MemClient::new());
+    for i in 0..KEYS {
+        mem.insert(&format!("big/f{i:05}"), "x");
+    }
+    let fs = S3Fs::new(
+        mem.clone(),
+        FsConfig {
+            max_entries: CAP,
+            metadata_ttl: Duration::from_millis(300),
+            ..FsConfig::default()
+        },
+    );
+    let big = fs.lookup(ROOT, "big").await.unwrap();
+    let listed = all_entries(&fs, big.ino).await;
+    assert_eq!(listed.len(), KEYS + 2);
+    assert!(fs.inode_count() <= CAP + 2, "{} inodes", fs.inode_count());
+
+    let fh = fs.opendir(big.ino).await.unwrap();
+    let (mut off, mut seen, mut peak) = (0, 0, 0);
+    let mut held: Vec<u64> = Vec::new();
+    let mut last = String::new();
+    loop {
+        let batch = fs.readdir(fh, off).await.unwrap();
+        if batch.is_empty() {
+            break;
+        }
+        // What fits a kernel buffer: 40 entries.
+        let replied = fs.reply_entries(big.ino, batch);
+        let (sent, unsent) = replied.split_at(replied.len().min(40));
+        let inos = |v: &[(DirEntry, Attr)]| -> Vec<u64> {
+            v.iter()
+                .filter(|(e, _)| e.name != "." && e.name != "..")
+                .map(|(e, _)| e.ino)
+                .collect()
+        };
+        fs.settle_reply(&inos(sent), &inos(unsent));
+        for (e, a) in sent {
+            off = e.offset;
+            if e.name == "." || e.name == ".." {
+                continue;
+            }
+            assert!(e.name > last, "{} after {last}", e.name);
+            last = e.name.clone();
+            assert_eq!(a.ino, e.ino);
+            held.push(e.ino);
+            let s = fs.lookup(big.ino, &e.name).await.unwrap();
+            assert_eq!(s.ino, e.ino, "{}", e.name);
+            assert_eq!(s.size, 1);
+            held.push(s.ino);
+            seen += 1;
+        }
+        peak = peak.max(fs.inode_count());
+        if held.len() > 600 {
+            for ino in held.drain(..) {
+                fs.forget(ino, 1);
+            }
+        }
+    }
+    fs.releasedir(fh);
+    assert_eq!(seen, KEYS);
+    assert!(peak <= CAP + 700, "the table grew to {peak}");
+
+    tokio::time::sleep(Duration::from_millis(350)).await;
+    for i in (0..KEYS).step_by(7) {
+        let a = fs.lookup(big.ino, &format!("f{i:05}")).await.unwrap();
+        fs.forget(a.ino, 1);
+    }
+    assert!(matches!(
+        fs.lookup(big.ino, "f99999").await,
+        Err(FsError::NotFound)
+    ));
 }

@@ -11,7 +11,6 @@
 //! lists as usual. Memory: at most `DIRS_AHEAD` pages per walk, and the order of the
 //! subdirectories of the `ORDERS_KEPT` directories listed last.
 
-use super::meta_update::head_batch;
 use super::*;
 use tokio::sync::OnceCell;
 
@@ -119,10 +118,15 @@ impl S3Fs {
                 .collect();
             (counters, keys)
         };
+        // Their entries' metadata too while the walker stats what it lists (`ls -lR`),
+        // not for a names-only walk (`find -name`).
+        let with_meta = self.cfg.posix_metadata
+            && (self.stat_ahead.statting(parent) || self.stat_ahead.statting(ino));
         for (dir, key, ahead) in keys {
             let client = self.client.clone();
             let inodes = self.inodes.clone();
-            let (dir_mtime, with_meta) = (self.mount_time, self.cfg.posix_metadata);
+            let heads_of = self.head_starter();
+            let dir_mtime = self.mount_time;
             tokio::spawn(async move {
                 ahead
                     .page
@@ -143,7 +147,7 @@ impl S3Fs {
                         let (heads, whole) = absorb_background_page(
                             &inodes, dir, &key, &page, counters.1, dir_mtime, with_meta,
                         );
-                        head_batch(&client, &inodes, heads, dir_mtime).await;
+                        heads_of.start(heads);
                         whole.then_some(page)
                     })
                     .await;

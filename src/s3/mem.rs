@@ -22,6 +22,8 @@ pub struct MemClient {
     meta_replacements: std::sync::atomic::AtomicU64,
     /// Ranged GETs answered.
     gets: std::sync::atomic::AtomicU64,
+    /// LIST requests answered (also counted in `metadata_requests`).
+    lists: std::sync::atomic::AtomicU64,
 }
 
 impl MemClient {
@@ -71,6 +73,13 @@ impl MemClient {
     }
     pub fn gets(&self) -> u64 {
         self.gets.load(std::sync::atomic::Ordering::SeqCst)
+    }
+    pub fn lists(&self) -> u64 {
+        self.lists.load(std::sync::atomic::Ordering::SeqCst)
+    }
+    /// HEAD requests answered: the metadata requests that were not LISTs.
+    pub fn heads(&self) -> u64 {
+        self.metadata_requests() - self.lists()
     }
     pub fn bytes_received(&self) -> u64 {
         self.bytes_received
@@ -148,6 +157,7 @@ impl ObjectClient for MemClient {
     async fn list(&self, req: ListRequest<'_>) -> S3Result<ListPage> {
         self.metadata_requests
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.lists.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let objs = self.objects.lock().unwrap();
         let mut page = ListPage::default();
         let mut last_returned: Option<String> = None;

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# One big directory on a fast S3 server: the walks users make of a data set.
+#
+#   bench/bigdir_fast.sh [--files N] [--rtt MS] [--baseline BIN] [--clients "s3csi s3fs ..."] [--no-build]
+#
+# N objects (default 100 000, 100 bytes each, no metadata, as a pipeline uploads them) in
+# one directory of the embedded `s3csi s3-server`, behind the latency proxy (default RTT
+# 10 ms), server pinned to the last CPU. For each client, one fresh mount and, in this
+# order (as in issue 39): `ls -f` (names only), `ls -l` 6 s later, `ls -l` again 6 s later
+# (past the default 5 s metadata TTL), `find DIR | wc -l`. Each walk must show all N
+# names and print nothing on stderr, else its cell says `error(lines)`. Also the mounter's
+# peak RSS (VmHWM) after the walks. Clients: s3csi, baseline (another s3csi binary, e.g.
+# the previous landing), s3fs and rclone if installed. Prints a Markdown table and writes
+# it to bench/results/bigdir-fast-latest.md.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+FILES=100000 RTT=10 BASELINE="" BUILD=1 CLIENTS=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --files) FILES=$2; shift ;;
+    --rtt) RTT=$2; shift ;;
+    --baseline) BASELINE=$2; shift ;;
+    --clients) CLIENTS=$2; shift ;;
+    --no-build) BUILD=0 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    *) echo "unknown option $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+[ "$BUILD" = 1 ] && { cargo build --release --bins -q || exit 1; }
+WORK=$(mktemp -d /tmp/bigdir.XXXXXX)
+cp target/release/s3csi target/release/s3bench "$WORK/" || exit 1
+[ -n "$BASELINE" ] && { cp "$BASELINE" "$WORK/baseline" || exit 1; }
+# shellcheck source=bench/embedded.sh
+source bench/embedded.sh
+if [ -z "$CLIENTS" ]; then
+  CLIENTS="s3csi"
+  [ -n "$BASELINE" ] && CLIENTS="$CLIENTS baseline"
+  command -v s3fs >/dev/null && CLIENTS="$CLIENTS s3fs"
+  command -v rclone >/dev/null && CLIENTS="$CLIENTS rclone"
+fi
+log "embedded server $DIRECT, proxy :$PPORT (RTT $RTT ms); $FILES objects in one directory"
+t0=$(date +%s)
+"$WORK/s3bench" populate --endpoint "$DIRECT" --bucket bench --prefix big --dirs 1 --files "$FILES" \
+  --size 100 --concurrency 64 >/dev/null || exit 1
+log "populated in $(($(date +%s) - t0)) s"
+DIR=big/d000
+
+mount_one() { # NAME
+  local ep="http://127.0.0.1:$PPORT"
+  case $1 in
+    s3csi) "${CLIENT[@]}" "$WORK/s3csi" mount --foreground --endpoint-url "$ep" --force-path-style bench "$MNT" ;;
+    baseline) "${CLIENT[@]}" "$WORK/baseline" mount --foreground --endpoint-url "$ep" --force-path-style bench "$MNT" ;;
+    s3fs) "${CLIENT[@]}" s3fs bench "$MNT" -f -o "url=$ep,use_path_request_style,passwd_file=$WORK/passwd-s3fs" ;;
+    rclone) rclone_mount ;;
+  esac >>"$WORK/$1.log" 2>&1 &
+  wait_mounted "$1"
+}
+
+# Runs one walk; prints "seconds (requests)", or "error(lines)" when a name is missing or
+# stderr is not empty.
+walk() { # WANT CMD...
+  local want=$1; shift
+  local t0 t1 n before
+  before=$(requests_now)
+  t0=$(date +%s.%N)
+  n=$("${CLIENT[@]}" "$@" 2>"$WORK/walk.err" | wc -l)
+  t1=$(date +%s.%N)
+  if [ "$n" != "$want" ] || [ -s "$WORK/walk.err" ]; then
+    log "$* printed $n lines, $(wc -l <"$WORK/walk.err") on stderr: $(head -c 200 "$WORK/walk.err")"
+    echo "error($n)"
+  else
+    awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.2f", b - a }'
+    printf ' (%s)' "$(requests_since "$before")"
+  fi
+}
+
+declare -A T
+for c in $CLIENTS; do
+  mount_one "$c" || continue
+  T[$c,lsf]=$(walk $((FILES + 2)) ls -f "$MNT/$DIR")
+  sleep 6
+  T[$c,lsl1]=$(walk $((FILES + 1)) ls -l "$MNT/$DIR")
+  sleep 6
+  T[$c,lsl2]=$(walk $((FILES + 1)) ls -l "$MNT/$DIR")
+  T[$c,find]=$(walk $((FILES + 1)) find "$MNT/$DIR")
+  # The mounter: the newest process whose command line names the mountpoint.
+  T[$c,rss]=$(awk '/VmHWM/ { printf "%.0f", $2 / 1024 }' "/proc/$(pgrep -n -f "$MNT")/status" 2>/dev/null)
+  umount_one
+  log "$c: ls -f ${T[$c,lsf]} s, ls -l ${T[$c,lsl1]} / ${T[$c,lsl2]} s, find ${T[$c,find]} s, peak RSS ${T[$c,rss]} MiB"
+done
+
+OUT=bench/results/bigdir-fast-latest.md
+{
+  echo "One directory of $FILES objects (100 B, no metadata) on the embedded S3 server, RTT $RTT ms, one fresh mount per client, walks in this order: seconds (requests sent during the walk)"
+  echo
+  echo "| client | ls -f | ls -l (6 s later) | ls -l again (6 s later) | find \| wc -l | mounter peak RSS, MiB |"
+  echo "|---|---|---|---|---|---|"
+  for c in $CLIENTS; do
+    echo "| $c | ${T[$c,lsf]:-} | ${T[$c,lsl1]:-} | ${T[$c,lsl2]:-} | ${T[$c,find]:-} | ${T[$c,rss]:-} |"
+  done
+} | tee "$OUT"
