@@ -328,7 +328,7 @@ impl RequestCounter {
         }
         // Path-style: `/bucket?list-type=2&…` is a LIST, `/bucket/key…` names an object.
         let (path, query) = target.split_once('?').unwrap_or((target, ""));
-        let object = path.trim_start_matches('/').contains('/');
+        let object = path.trim_matches('/').contains('/');
         let kind = match method {
             "GET" if !object && !query.is_empty() => "LIST",
             m => m,

@@ -398,7 +398,9 @@ pub static MOUNT_OPTIONS: &[OptionSpec] = &[
         "cache-dir",
         "DIR",
         Described("`/var/tmp/s3csi/<hash of the mountpoint>`; CSI: the volume's state directory on the node"),
-        "Where files edited in place are staged (and `lost+found` keeps edits that could not be committed)",
+        "Where files edited in place are staged (and `lost+found` keeps edits that could not be committed), \
+         and where the metadata of the object versions read is kept (`known-versions`: a remount of the \
+         same directory HEADs no version it has read)",
     )
     .process_only(),
     OptionSpec::text(

@@ -68,6 +68,15 @@ impl S3Fs {
     /// (see `StagingArea::open`) when the mount starts, not at the first edit.
     pub fn open_staging(&self) -> FsResult<PathBuf> {
         let area = self.staging()?.clone();
+        if let (true, Some(dir)) = (self.cfg.posix_metadata, &self.cfg.cache_dir) {
+            let path = dir.join(KNOWN_VERSIONS_FILE);
+            match self.inodes().persist_known_versions(&path) {
+                Ok(n) => tracing::debug!(versions = n, "metadata of versions read before is known"),
+                // The mount still works: first stats HEAD again.
+                Err(e) => tracing::warn!(path = %path.display(), error = %e,
+                    "cannot keep the metadata of versions read on disk"),
+            }
+        }
         if let (true, Some(dir)) = (self.cfg.data_cache, &self.cfg.cache_dir) {
             let staged = area.clone();
             let opened = DataCache::open(

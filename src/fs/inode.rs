@@ -11,6 +11,7 @@
 //! a walk of 100 000 pinned entries quadratic).
 
 use super::inode_log::{Binding, InodeLog};
+use super::known_versions::{no_meta, KnownVersions};
 use super::meta::PosixMeta;
 use crate::s3::UserMeta;
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -349,7 +350,7 @@ impl InodeTable {
                         inode.etag = etag;
                         inode.local_only = false;
                         if inode.meta.is_none() {
-                            self.known.recall(inode);
+                            recall(&self.known, inode);
                         }
                     }
                     inode.validated = Some(now);
@@ -399,7 +400,7 @@ impl InodeTable {
             }),
         );
         if let Some(i) = self.by_ino.get_mut(&ino) {
-            self.known.recall(i);
+            recall(&self.known, i);
         }
         self.bind(parent, name, ino);
         self.evictable.push_back(ino);
@@ -417,7 +418,7 @@ impl InodeTable {
         } else {
             Arc::new(PosixMeta::from_headers(h, key))
         };
-        self.known.remember_version(key, etag, stamp, meta);
+        self.known.remember(key, etag, stamp, meta);
     }
 
     pub fn set_meta(&mut self, ino: u64, h: &UserMeta, stamp: SystemTime) {
@@ -435,7 +436,20 @@ impl InodeTable {
         i.meta = Some(meta);
         i.meta_stamp = Some(stamp);
         i.link_target = None;
-        self.known.remember(i);
+        if let (Kind::File, Some(etag), Some(meta)) = (i.kind, i.etag.as_deref(), &i.meta) {
+            self.known.remember(&i.key, etag, stamp, meta.clone());
+        }
+    }
+
+    /// Keeps the metadata of the versions read from now on in `path` too, and knows those
+    /// a previous mount kept there (see `known_versions.rs`).
+    pub fn persist_known_versions(&mut self, path: &std::path::Path) -> std::io::Result<usize> {
+        self.known.persist_in(path)
+    }
+
+    /// Writes out what `persist_known_versions` buffered.
+    pub fn flush_known_versions(&mut self) {
+        self.known.flush();
     }
 
     /// True when nothing but the table refers to `i`: S3 can tell it again.
@@ -693,84 +707,15 @@ const RECENT_KEPT: usize = 2000;
 /// Known versions kept per `--max-entries`: their metadata outlives the inodes.
 const KNOWN_PER_ENTRY: usize = 4;
 
-/// The metadata of an object without any (most objects): one allocation for all.
-fn no_meta() -> Arc<PosixMeta> {
-    static EMPTY: std::sync::OnceLock<Arc<PosixMeta>> = std::sync::OnceLock::new();
-    EMPTY.get_or_init(|| Arc::new(PosixMeta::default())).clone()
-}
-
-/// A stable 64-bit hash (FNV-1a) of a key or an ETag.
-fn fnv64(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    })
-}
-
-/// The metadata of file versions (key + ETag + Last-Modified to the second) read here,
-/// oldest dropped first past `cap`: an entry evicted from the table and listed again, the
-/// same version, needs no HEAD. Keys and ETags are kept as 64-bit hashes (~50 bytes an
-/// entry with the map's own; both hashes would have to collide for a wrong answer).
-struct KnownVersions {
-    by_key: HashMap<u64, KnownVersion>,
-    order: VecDeque<u64>,
-    cap: usize,
-}
-
-struct KnownVersion {
-    etag: u64,
-    stamp: u64,
-    meta: Arc<PosixMeta>,
-}
-
-impl KnownVersions {
-    fn new(cap: usize) -> Self {
-        Self {
-            by_key: HashMap::new(),
-            order: VecDeque::new(),
-            cap,
-        }
-    }
-
-    fn remember(&mut self, i: &Inode) {
-        let (Kind::File, Some(etag), Some(stamp), Some(meta)) =
-            (i.kind, i.etag.as_deref(), i.meta_stamp, i.meta.clone())
-        else {
-            return;
-        };
-        self.remember_version(&i.key, etag, stamp, meta);
-    }
-
-    fn remember_version(&mut self, key: &str, etag: &str, stamp: SystemTime, meta: Arc<PosixMeta>) {
-        let key = fnv64(key);
-        let known = KnownVersion {
-            etag: fnv64(etag),
-            stamp: whole_seconds(stamp),
-            meta,
-        };
-        if self.by_key.insert(key, known).is_none() {
-            self.order.push_back(key);
-        }
-        while self.by_key.len() > self.cap {
-            match self.order.pop_front() {
-                Some(old) => self.by_key.remove(&old),
-                None => break,
-            };
-        }
-    }
-
-    /// Gives `i` the metadata known for the version it shows, if any.
-    fn recall(&self, i: &mut Inode) {
-        let (Kind::File, Some(etag)) = (i.kind, i.etag.as_deref()) else {
-            return;
-        };
-        let Some(k) = self.by_key.get(&fnv64(&i.key)) else {
-            return;
-        };
-        if k.etag == fnv64(etag) && k.stamp == whole_seconds(i.mtime) {
-            i.meta = Some(k.meta.clone());
-            i.meta_stamp = Some(i.mtime);
-            i.link_target = None;
-        }
+/// Gives file `i` the metadata known for the version it shows, if any.
+fn recall(known: &KnownVersions, i: &mut Inode) {
+    let (Kind::File, Some(etag)) = (i.kind, i.etag.as_deref()) else {
+        return;
+    };
+    if let Some(meta) = known.recall(&i.key, etag, i.mtime) {
+        i.meta = Some(meta);
+        i.meta_stamp = Some(i.mtime);
+        i.link_target = None;
     }
 }
 

@@ -56,6 +56,7 @@ pub(super) async fn head_batch(
         store_head(inodes, ino, &key, kind, res, mount_time);
         done(ino);
     }
+    lock(inodes).flush_known_versions();
 }
 
 fn store_head(

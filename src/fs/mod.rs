@@ -32,6 +32,7 @@ pub mod fuse;
 mod handles;
 pub mod inode;
 pub mod inode_log;
+mod known_versions;
 mod lookup;
 pub mod memcache;
 pub mod meta;
@@ -73,6 +74,8 @@ const MAX_KEY_LEN: usize = 1024;
 const LIST_PAGE: i32 = 1000;
 /// Pages a background listing after a lookup miss reads at most (see `list_ahead`).
 const LIST_AHEAD_PAGES: usize = 5;
+/// In the cache directory: the metadata of the versions read (see `known_versions.rs`).
+const KNOWN_VERSIONS_FILE: &str = "known-versions";
 /// How long the mount waits for its conditional-write check (`start_background`).
 const CONDITION_PROBE_TIMEOUT: Duration = Duration::from_secs(30);
 

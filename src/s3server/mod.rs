@@ -92,8 +92,44 @@ pub enum ServerError {
 pub struct RunningServer {
     pub addr: SocketAddr,
     pub store: Arc<Store>,
+    /// Requests served so far, by kind (tests count the round trips a mount makes).
+    pub requests: Arc<RequestCounts>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// Requests a server answered, by kind.
+#[derive(Debug, Default)]
+pub struct RequestCounts {
+    heads: std::sync::atomic::AtomicU64,
+    lists: std::sync::atomic::AtomicU64,
+    others: std::sync::atomic::AtomicU64,
+}
+
+impl RequestCounts {
+    fn note<B>(&self, req: &hyper::Request<B>) {
+        use std::sync::atomic::Ordering::Relaxed;
+        // Path-style: `/bucket?list-type=2…` is a listing, `/bucket/key` an object.
+        let object = req.uri().path().trim_matches('/').contains('/');
+        let counter = match *req.method() {
+            hyper::Method::HEAD => &self.heads,
+            hyper::Method::GET if !object && req.uri().query().is_some() => &self.lists,
+            _ => &self.others,
+        };
+        counter.fetch_add(1, Relaxed);
+    }
+
+    pub fn heads(&self) -> u64 {
+        self.heads.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub fn lists(&self) -> u64 {
+        self.lists.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub fn others(&self) -> u64 {
+        self.others.load(std::sync::atomic::Ordering::Relaxed)
+    }
 }
 
 impl RunningServer {
@@ -143,6 +179,8 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer, ServerError> {
         ));
         b.build()
     };
+    let requests = Arc::new(RequestCounts::default());
+    let counts = requests.clone();
     let (tx, mut rx) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(async move {
         let mut conns = tokio::task::JoinSet::new();
@@ -153,11 +191,17 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer, ServerError> {
                     Ok((stream, _)) => {
                         let _ = stream.set_nodelay(true);
                         let svc = service.clone();
+                        let counts = counts.clone();
                         conns.spawn(async move {
+                            type Incoming = hyper::Request<hyper::body::Incoming>;
                             let io = hyper_util::rt::TokioIo::new(stream);
+                            let counted = hyper::service::service_fn(move |req: Incoming| {
+                                counts.note(&req);
+                                hyper::service::Service::<Incoming>::call(&svc, req)
+                            });
                             let _ = hyper::server::conn::http1::Builder::new()
                                 .keep_alive(true)
-                                .serve_connection(io, svc)
+                                .serve_connection(io, counted)
                                 .await;
                         });
                     }
@@ -174,6 +218,7 @@ pub async fn start(config: ServerConfig) -> Result<RunningServer, ServerError> {
     Ok(RunningServer {
         addr,
         store,
+        requests,
         stop: Some(tx),
         task: Some(task),
     })

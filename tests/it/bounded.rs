@@ -129,6 +129,7 @@ async fn hundred_thousand_keys_list_with_a_bounded_inode_table() {
         mem.clone(),
         FsConfig {
             metadata_ttl: Duration::from_secs(60),
+            max_entries: 50_000,
             ..FsConfig::default()
         },
     );
@@ -177,7 +178,7 @@ async fn hundred_thousand_keys_list_with_a_bounded_inode_table() {
     assert_eq!(a.size, 0);
 }
 
-/// Keys in the one directory of `a_big_directory_…`: 30 000 with `--max-entries 5000`
+/// Keys in the one directory of `a_big_directory_…`: 30 000 with `--max-entries 10000`
 /// (eviction all along), 100 000 with the default cap under `S3CSI_FULL=1`, or
 /// `S3CSI_BIGDIR_KEYS` (e.g. 1000000, the long variant: ~10 min).
 fn big_directory_size() -> (usize, Option<&'static str>) {
@@ -187,7 +188,7 @@ fn big_directory_size() -> (usize, Option<&'static str>) {
     {
         Some(n) => (n, None),
         None if full_run() => (100_000, None),
-        None => (30_000, Some("5000")),
+        None => (30_000, Some("10000")),
     }
 }
 
@@ -205,7 +206,9 @@ fn shell_lines(script: &str) -> (usize, String) {
 /// embedded server, walked as users do: `ls -f`, `ls -l`, `find`, `stat` of random names,
 /// `ls -l` again past the metadata TTL and after a remount. Every name shows every
 /// time, and nothing is printed on stderr (before, `ls -l` of 100 000 objects showed
-/// half of them and said the rest did not exist).
+/// half of them and said the rest did not exist). What each walk costs: names only are
+/// LISTs only; the first `ls -l` HEADs each object once; past the TTL and after a remount
+/// of the same cache directory the versions are known and cost no HEAD.
 #[test]
 fn a_big_directory_lists_and_stats_every_name_through_a_real_mount() {
     let (keys, cap) = big_directory_size();
@@ -246,7 +249,9 @@ fn a_big_directory_lists_and_stats_every_name_through_a_real_mount() {
         });
     }
     let created = start.elapsed();
-    let mut extra = vec!["--metadata-ttl", "1s"];
+    let cache = scratch_dir("bigdir-cache");
+    let cache_arg = cache.display().to_string();
+    let mut extra = vec!["--metadata-ttl", "1s", "--cache-dir", &cache_arg];
     if let Some(cap) = cap {
         extra.extend(["--max-entries", cap]);
     }
@@ -254,16 +259,25 @@ fn a_big_directory_lists_and_stats_every_name_through_a_real_mount() {
     let dir = m.path("big");
     let d = dir.display();
     let mut report = format!("{keys} keys (created in {created:.1?}, --max-entries {cap:?}):");
+    let requests = server.requests.clone();
+    // Runs a walk; returns the HEADs it cost.
     let check = |report: &mut String, what: &str, script: String, want: usize| {
+        let (heads, lists) = (requests.heads(), requests.lists());
         let t = Instant::now();
         let (lines, err) = shell_lines(&script);
-        *report += &format!(" {what} {:.2?};", t.elapsed());
+        let heads = requests.heads() - heads;
+        *report += &format!(
+            " {what} {:.2?} (HEAD {heads}, LIST {});",
+            t.elapsed(),
+            requests.lists() - lists
+        );
         assert!(
             err.is_empty(),
             "{what}: stderr: {}",
             &err[..err.len().min(500)]
         );
         assert_eq!(lines, want, "{what}");
+        heads
     };
     // Names only.
     let t = Instant::now();
@@ -274,9 +288,14 @@ fn a_big_directory_lists_and_stats_every_name_through_a_real_mount() {
     listed.sort();
     report += &format!(" readdir {:.2?};", t.elapsed());
     assert!(listed == names, "readdir showed {} names", listed.len());
-    check(&mut report, "ls -f", format!("ls -f {d}"), keys + 2);
-    check(&mut report, "ls -l", format!("ls -l {d}"), keys + 1);
-    check(&mut report, "find", format!("find {d}"), keys + 1);
+    assert!(check(&mut report, "ls -f", format!("ls -f {d}"), keys + 2) <= 2);
+    let heads = check(&mut report, "ls -l", format!("ls -l {d}"), keys + 1);
+    // Each object once; a few more where an entry was evicted while its HEAD ran.
+    assert!(
+        heads <= keys as u64 * 101 / 100,
+        "{heads} HEADs for {keys} objects"
+    );
+    assert!(check(&mut report, "find", format!("find {d}"), keys + 1) <= 2);
     let mut rng = Rng::new(39);
     for _ in 0..500 {
         let n = rng.pick(&names);
@@ -306,4 +325,5 @@ fn a_big_directory_lists_and_stats_every_name_through_a_real_mount() {
     );
     drop(m);
     runtime().block_on(server.stop());
+    let _ = std::fs::remove_dir_all(&cache);
 }
