@@ -1,28 +1,33 @@
 #!/usr/bin/env bash
 # One big directory on a fast S3 server: the walks users make of a data set.
 #
-#   bench/bigdir_fast.sh [--files N] [--rtt MS] [--baseline BIN] [--clients "s3csi s3fs ..."] [--no-build]
+#   bench/bigdir_fast.sh [--files N] [--rtt MS] [--baseline BIN] [--clients "s3csi s3fs ..."]
+#                        [--walk-timeout S] [--no-build]
 #
 # N objects (default 100 000, 100 bytes each, no metadata, as a pipeline uploads them) in
 # one directory of the embedded `s3csi s3-server`, behind the latency proxy (default RTT
 # 10 ms), server pinned to the last CPU. For each client, one fresh mount and, in this
 # order (as in issue 39): `ls -f` (names only), `ls -l` 6 s later, `ls -l` again 6 s later
-# (past the default 5 s metadata TTL), `find DIR | wc -l`. Each walk must show all N
-# names and print nothing on stderr, else its cell says `error(lines)`. Also the mounter's
-# peak RSS (VmHWM) after the walks. Clients: s3csi, baseline (another s3csi binary, e.g.
+# (past the default 5 s metadata TTL), `find DIR | wc -l`, then unmount, mount again on the
+# same mountpoint (s3csi: the same default --cache-dir) and `ls -l`. Each walk must show
+# all N names and print nothing on stderr, else its cell says `error(lines)`; one that runs
+# past --walk-timeout (default 300 s) says `timeout` and ends that client's walks. Cells
+# give the seconds and the requests the proxy saw during the walk. Also the mounter's peak
+# RSS (VmHWM) after the first mount's walks. Clients: s3csi, baseline (another s3csi binary, e.g.
 # the previous landing), s3fs and rclone if installed. Prints a Markdown table and writes
 # it to bench/results/bigdir-fast-latest.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-FILES=100000 RTT=10 BASELINE="" BUILD=1 CLIENTS=""
+FILES=100000 RTT=10 BASELINE="" BUILD=1 CLIENTS="" WALK_TIMEOUT=300
 while [ $# -gt 0 ]; do
   case "$1" in
     --files) FILES=$2; shift ;;
     --rtt) RTT=$2; shift ;;
     --baseline) BASELINE=$2; shift ;;
     --clients) CLIENTS=$2; shift ;;
+    --walk-timeout) WALK_TIMEOUT=$2; shift ;;
     --no-build) BUILD=0 ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -57,16 +62,21 @@ mount_one() { # NAME
   wait_mounted "$1"
 }
 
-# Runs one walk; prints "seconds (requests)", or "error(lines)" when a name is missing or
-# stderr is not empty.
+# Runs one walk; prints "seconds (requests)", "error(lines)" when a name is missing or
+# stderr is not empty, or "timeout" past WALK_TIMEOUT (the mount is then killed).
 walk() { # WANT CMD...
   local want=$1; shift
-  local t0 t1 n before
+  local t0 t1 n before rc
   before=$(requests_now)
   t0=$(date +%s.%N)
-  n=$("${CLIENT[@]}" "$@" 2>"$WORK/walk.err" | wc -l)
+  timeout -s KILL "$WALK_TIMEOUT" "${CLIENT[@]}" "$@" >"$WORK/walk.out" 2>"$WORK/walk.err"
+  rc=$?
   t1=$(date +%s.%N)
-  if [ "$n" != "$want" ] || [ -s "$WORK/walk.err" ]; then
+  n=$(wc -l <"$WORK/walk.out")
+  if [ "$rc" = 137 ]; then
+    log "$* ran past ${WALK_TIMEOUT} s"
+    echo "timeout"
+  elif [ "$n" != "$want" ] || [ -s "$WORK/walk.err" ]; then
     log "$* printed $n lines, $(wc -l <"$WORK/walk.err") on stderr: $(head -c 200 "$WORK/walk.err")"
     echo "error($n)"
   else
@@ -76,27 +86,36 @@ walk() { # WANT CMD...
 }
 
 declare -A T
+WALKS="lsf lsl1 lsl2 find remount"
 for c in $CLIENTS; do
   mount_one "$c" || continue
-  T[$c,lsf]=$(walk $((FILES + 2)) ls -f "$MNT/$DIR")
-  sleep 6
-  T[$c,lsl1]=$(walk $((FILES + 1)) ls -l "$MNT/$DIR")
-  sleep 6
-  T[$c,lsl2]=$(walk $((FILES + 1)) ls -l "$MNT/$DIR")
-  T[$c,find]=$(walk $((FILES + 1)) find "$MNT/$DIR")
-  # The mounter: the newest process whose command line names the mountpoint.
-  T[$c,rss]=$(awk '/VmHWM/ { printf "%.0f", $2 / 1024 }' "/proc/$(pgrep -n -f "$MNT")/status" 2>/dev/null)
-  umount_one
-  log "$c: ls -f ${T[$c,lsf]} s, ls -l ${T[$c,lsl1]} / ${T[$c,lsl2]} s, find ${T[$c,find]} s, peak RSS ${T[$c,rss]} MiB"
+  for w in $WALKS; do
+    case $w in
+      lsf) T[$c,$w]=$(walk $((FILES + 2)) ls -f "$MNT/$DIR") ;;
+      lsl1|lsl2) sleep 6; T[$c,$w]=$(walk $((FILES + 1)) ls -l "$MNT/$DIR") ;;
+      find) T[$c,$w]=$(walk $((FILES + 1)) find "$MNT/$DIR")
+        # The mounter: the newest process whose command line names the mountpoint.
+        T[$c,rss]=$(awk '/VmHWM/ { printf "%.0f", $2 / 1024 }' "/proc/$(pgrep -n -f "$MNT")/status" 2>/dev/null)
+        umount_one
+        mount_one "$c" || break ;;
+      remount) T[$c,$w]=$(walk $((FILES + 1)) ls -l "$MNT/$DIR") ;;
+    esac
+    log "$c $w: ${T[$c,$w]}"
+    if [ "${T[$c,$w]}" = timeout ]; then
+      pkill -9 -f "$MNT"; umount -l "$MNT" 2>/dev/null
+      break
+    fi
+  done
+  mountpoint -q "$MNT" && umount_one
 done
 
 OUT=bench/results/bigdir-fast-latest.md
 {
   echo "One directory of $FILES objects (100 B, no metadata) on the embedded S3 server, RTT $RTT ms, one fresh mount per client, walks in this order: seconds (requests sent during the walk)"
   echo
-  echo "| client | ls -f | ls -l (6 s later) | ls -l again (6 s later) | find \| wc -l | mounter peak RSS, MiB |"
-  echo "|---|---|---|---|---|---|"
+  echo "| client | ls -f | ls -l (6 s later) | ls -l again (6 s later) | find \| wc -l | ls -l after a remount | mounter peak RSS, MiB |"
+  echo "|---|---|---|---|---|---|---|"
   for c in $CLIENTS; do
-    echo "| $c | ${T[$c,lsf]:-} | ${T[$c,lsl1]:-} | ${T[$c,lsl2]:-} | ${T[$c,find]:-} | ${T[$c,rss]:-} |"
+    echo "| $c | ${T[$c,lsf]:--} | ${T[$c,lsl1]:--} | ${T[$c,lsl2]:--} | ${T[$c,find]:--} | ${T[$c,remount]:--} | ${T[$c,rss]:--} |"
   done
 } | tee "$OUT"

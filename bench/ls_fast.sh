@@ -9,7 +9,9 @@
 # 10 ms), pinned to the last CPU like run.sh's server side. Two trees of DIRS x FILES
 # objects: one without metadata (as `aws s3 sync` writes them), one with s3fs metadata on
 # every object. Rows, one fresh mount each, medians of RUNS:
-#   s3csi                    metadata honoured (the default)
+#   s3csi                    metadata honoured (the default), a fresh --cache-dir: the first walk
+#   s3csi remount            the same after a remount of the same --cache-dir (the metadata of
+#                            the versions read is known: `known-versions`)
 #   s3csi --ignore-metadata  the listing alone: what `ls -laR` cost before metadata was read
 #   baseline [--ignore-metadata]  another s3csi binary (--baseline BIN), e.g. the previous
 #                            landing, for "today's time"
@@ -41,10 +43,11 @@ log "embedded server $DIRECT, proxy :$PPORT (RTT $RTT ms); $((DIRS * FILES)) obj
 "$WORK/s3bench" populate --endpoint "$DIRECT" --bucket bench --prefix tree --dirs "$DIRS" --files "$FILES" >/dev/null || exit 1
 "$WORK/s3bench" populate --endpoint "$DIRECT" --bucket bench --prefix mtree --dirs "$DIRS" --files "$FILES" --with-metadata >/dev/null || exit 1
 
-mount_one() { # NAME: starts that client's mount on $MNT
-  local ep="http://127.0.0.1:$PPORT"
+mount_one() { # NAME [CACHE_DIR]: starts that client's mount on $MNT
+  local ep="http://127.0.0.1:$PPORT" cache=${2:-$WORK/cache-$RANDOM$RANDOM}
   case $1 in
-    s3csi) "${CLIENT[@]}" "$WORK/s3csi" mount --foreground --endpoint-url "$ep" --force-path-style bench "$MNT" ;;
+    s3csi|s3csi-remount) "${CLIENT[@]}" "$WORK/s3csi" mount --foreground --endpoint-url "$ep" --force-path-style \
+      --cache-dir "$cache" bench "$MNT" ;;
     s3csi-ignore) "${CLIENT[@]}" "$WORK/s3csi" mount --foreground --endpoint-url "$ep" --force-path-style --ignore-metadata bench "$MNT" ;;
     baseline) "${CLIENT[@]}" "$WORK/baseline" mount --foreground --endpoint-url "$ep" --force-path-style bench "$MNT" ;;
     baseline-ignore) "${CLIENT[@]}" "$WORK/baseline" mount --foreground --endpoint-url "$ep" --force-path-style --ignore-metadata bench "$MNT" ;;
@@ -53,14 +56,22 @@ mount_one() { # NAME: starts that client's mount on $MNT
   wait_mounted "$1"
 }
 
-CLIENTS="s3csi s3csi-ignore"
+CLIENTS="s3csi s3csi-remount s3csi-ignore"
 [ -n "$BASELINE" ] && CLIENTS="$CLIENTS baseline baseline-ignore"
 command -v s3fs >/dev/null && CLIENTS="$CLIENTS s3fs"
 declare -A T
 for run in $(seq "$RUNS"); do
   for c in $CLIENTS; do
     for tree in tree mtree; do
-      mount_one "$c" || continue
+      if [ "$c" = s3csi-remount ]; then
+        # A first walk (not timed), unmounted; the timed walk is the next mount's.
+        mount_one "$c" "$WORK/cache-remount-$run-$tree" || continue
+        "${CLIENT[@]}" ls -laR "$MNT/$tree" >/dev/null 2>&1
+        umount_one
+        mount_one "$c" "$WORK/cache-remount-$run-$tree" || continue
+      else
+        mount_one "$c" || continue
+      fi
       sync
       t0=$(date +%s.%N)
       n=$("${CLIENT[@]}" ls -laR "$MNT/$tree" 2>/dev/null | grep -c '^-')

@@ -20,10 +20,10 @@ use futures::StreamExt;
 /// (`FsConfig::meta_save_delay`).
 pub(super) const SAVE_DELAY: Duration = Duration::from_millis(100);
 /// HEADs in flight at once when a listing's metadata is loaded.
-const HEADS_IN_FLIGHT: usize = 64;
+const HEADS_IN_FLIGHT: usize = 128;
 /// HEADs in flight at once for all listings together (a tree walk loads several
 /// directories ahead, see `walk_ahead.rs`): each needs a connection of its own.
-static ALL_HEADS_IN_FLIGHT: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(128);
+static ALL_HEADS_IN_FLIGHT: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(256);
 /// Longest symlink target (Linux's PATH_MAX).
 const MAX_LINK: usize = 4096;
 

@@ -290,7 +290,8 @@ impl S3Fs {
         // the directory's files are being stat'ed already (see `stat_ahead.rs`).
         if self.cfg.posix_metadata {
             let inos: Vec<u64> = listed.iter().map(|(ino, ..)| *ino).collect();
-            if self.stat_ahead.statting(d.ino) {
+            // A sibling's files were stat'ed (`ls -lR`, `rsync`): so will these be.
+            if self.stat_ahead.statting(d.ino) || self.stat_ahead.statting(d.parent) {
                 self.start_heads(self.unknown_of(&inos));
             }
             self.stat_ahead.note_page(d.ino, inos);
