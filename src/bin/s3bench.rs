@@ -202,47 +202,19 @@ async fn proxy(
         .await
         .with_context(|| format!("bind {listen}"))?;
     let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let requests = Arc::new(std::sync::Mutex::new(std::collections::BTreeMap::<
-        String,
-        u64,
-    >::new()));
+    let requests: RequestCounts = Default::default();
     if let Some(path) = requests_file {
         let requests = requests.clone();
-        tokio::spawn(async move {
-            let mut last = String::from("-");
-            loop {
-                let now = {
-                    let r = requests.lock().unwrap();
-                    r.iter()
-                        .map(|(k, v)| format!("{k}:{v} "))
-                        .collect::<String>()
-                };
-                if now != last {
-                    let tmp = path.with_extension("tmp");
-                    if std::fs::write(&tmp, now.trim_end()).is_ok() {
-                        let _ = std::fs::rename(&tmp, &path);
-                    }
-                    last = now;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
+        keep_in_file(path, move || {
+            let r = requests.lock().unwrap();
+            let text: String = r.iter().map(|(k, v)| format!("{k}:{v} ")).collect();
+            text.trim_end().to_string()
         });
     }
     if let Some(path) = bytes_file {
         let sent = sent.clone();
-        tokio::spawn(async move {
-            let mut last = u64::MAX;
-            loop {
-                let now = sent.load(std::sync::atomic::Ordering::Relaxed);
-                if now != last {
-                    let tmp = path.with_extension("tmp");
-                    if std::fs::write(&tmp, now.to_string()).is_ok() {
-                        let _ = std::fs::rename(&tmp, &path);
-                    }
-                    last = now;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
+        keep_in_file(path, move || {
+            sent.load(std::sync::atomic::Ordering::Relaxed).to_string()
         });
     }
     let mut n: u64 = 0;
@@ -271,18 +243,40 @@ async fn proxy(
     }
 }
 
+/// Keeps what `now` says in `path` (written anew, atomically, when it changed; checked
+/// every 100 ms), for a script to read while the proxy runs.
+fn keep_in_file(path: std::path::PathBuf, now: impl Fn() -> String + Send + 'static) {
+    tokio::spawn(async move {
+        let mut last = None;
+        loop {
+            let text = now();
+            if last.as_ref() != Some(&text) {
+                let tmp = path.with_extension("tmp");
+                if std::fs::write(&tmp, &text).is_ok() {
+                    let _ = std::fs::rename(&tmp, &path);
+                }
+                last = Some(text);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+}
+
+/// Requests seen so far, by kind (`HEAD`, `LIST`, `GET`, ...).
+type RequestCounts = Arc<std::sync::Mutex<std::collections::BTreeMap<String, u64>>>;
+
 /// Counts the HTTP/1.1 requests of one connection's client side by kind: request heads
 /// are read up to their blank line and bodies of `Content-Length` skipped. A chunked body
 /// cannot be skipped this cheaply: counting stops for that connection (`UNCOUNTED:1`).
 struct RequestCounter {
-    counts: Arc<std::sync::Mutex<std::collections::BTreeMap<String, u64>>>,
+    counts: RequestCounts,
     head: Vec<u8>,
     body_left: u64,
     lost: bool,
 }
 
 impl RequestCounter {
-    fn new(counts: Arc<std::sync::Mutex<std::collections::BTreeMap<String, u64>>>) -> Self {
+    fn new(counts: RequestCounts) -> Self {
         Self {
             counts,
             head: Vec::new(),
