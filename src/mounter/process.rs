@@ -69,6 +69,45 @@ fn is_our_mounter(pid: u32, target: &Path) -> bool {
     args.iter().any(|a| *a == b"mount") && args.contains(&target.as_os_str().as_encoded_bytes())
 }
 
+/// The exit flag of a mounter that is not our child (adopted from an earlier node
+/// service, so no `wait` of ours sees it end): set once its pidfd says it has exited,
+/// so that an unpublish after an upgrade waits no longer than one before it. Without
+/// pidfds (Linux < 5.3) the process table is polled. The watch ends with the flag's last
+/// other holder.
+fn watch_exit(pid: u32) -> ExitFlag {
+    let exited: ExitFlag = Arc::new(Mutex::new(None));
+    let flag = exited.clone();
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    let pidfd = (fd >= 0).then(|| {
+        // SAFETY: a descriptor just returned to us, owned by nothing else.
+        let owned =
+            unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd as i32) };
+        // SAFETY: the AsyncFd owns the descriptor, which stays open and the same until
+        // the AsyncFd is dropped.
+        unsafe { tokio::io::unix::AsyncFd::register(owned) }
+    });
+    tokio::spawn(async move {
+        match pidfd {
+            // A pidfd is readable once its process has exited.
+            Some(Ok(fd)) => {
+                let _ = fd.readable().await;
+            }
+            _ => {
+                while pid_alive(pid) {
+                    if Arc::strong_count(&flag) == 1 {
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+        tracing::info!(pid, "adopted mounter exited");
+        *flag.lock().unwrap() = Some("exited (adopted: status unknown)".into());
+    });
+    exited
+}
+
 /// The static credentials a running mounter was given, from its environment.
 fn credentials_of(pid: u32) -> Vec<(&'static str, String)> {
     let raw = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
@@ -263,10 +302,12 @@ impl MounterBackend for ProcessBackend {
     fn adopt(&self, record: &MountRecord) -> (MounterHandle, bool) {
         let pid = record.pid;
         let alive = pid_alive(pid) && is_our_mounter(pid, &record.target);
-        (
-            MounterHandle::new(pid, None, Arc::new(Mutex::new(None))),
-            alive,
-        )
+        let exited = if alive {
+            watch_exit(pid)
+        } else {
+            Arc::new(Mutex::new(Some("gone before it was adopted".into())))
+        };
+        (MounterHandle::new(pid, None, exited), alive)
     }
 
     fn replacement_credentials(&self, record: &MountRecord) -> Vec<(&'static str, String)> {
@@ -277,5 +318,62 @@ impl MounterBackend for ProcessBackend {
 
     async fn reconcile(&self, _live: &[(PathBuf, MounterHandle)]) -> Result<(), MountError> {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 40.9: a mounter adopted after a node-service restart is not our child; its
+    /// exit must still be seen, or every unpublish after an upgrade waits the whole grace.
+    #[tokio::test]
+    async fn an_adopted_mounter_is_seen_to_exit() {
+        let target = std::env::temp_dir().join(format!("s3csi-adopt-{}", std::process::id()));
+        // Looks like a mounter of `target` to `is_our_mounter`: `mount` and the target in
+        // its command line.
+        // Killed and reaped however the test ends, so no panic leaves it looping.
+        struct Reaped(std::process::Child);
+        impl Drop for Reaped {
+            fn drop(&mut self) {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+            }
+        }
+        let child = Reaped(
+            std::process::Command::new("sh")
+                .args(["-c", "while :; do sleep 0.1; done", "mount"])
+                .arg(&target)
+                .spawn()
+                .unwrap(),
+        );
+        let record = MountRecord {
+            volume_id: "adopted".into(),
+            target: target.clone(),
+            pid: child.0.id(),
+            pod: None,
+            handoff_dir: target.join("handoff"),
+            replacements: 0,
+            source: "bucket".into(),
+            args: vec![],
+        };
+        let backend = ProcessBackend::new("/nonexistent".into(), std::env::temp_dir());
+        let (m, alive) = backend.adopt(&record);
+        assert!(alive, "a live mounter of this target");
+        assert!(!m.has_exited());
+        backend
+            .stop(&target, &m, Instant::now() + Duration::from_secs(10))
+            .await;
+        // `stop_and_unmount` gives an exit 5 s to be seen; it must not need them.
+        let seen_by = Instant::now() + Duration::from_secs(4);
+        while !m.has_exited() && Instant::now() < seen_by {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let seen = m.has_exited();
+        drop(child);
+        assert!(seen, "the adopted mounter's exit was not seen");
+        // A record whose process is gone is adopted as exited.
+        let (m, alive) = backend.adopt(&record);
+        assert!(!alive && m.has_exited());
     }
 }
