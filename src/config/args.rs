@@ -295,6 +295,13 @@ mod tests {
         c.sync_delete = rng.chance();
         c.page_cache = rng.chance();
         c.ignore_metadata = rng.chance();
+        c.content_type = crate::config::content_type::ContentTypes::parse(rng.pick(&[
+            "infer",
+            "off",
+            "text/plain",
+            "application/vnd.x+json;charset=utf-8",
+        ]))
+        .expect("valid");
         c.debug = rng.chance();
         if rng.chance() {
             c.uid = rng.below(u32::MAX as u64) as u32;

@@ -3,6 +3,7 @@
 //! This layer imports no other layer of the crate (s3, fs, mounter and csi import it).
 
 pub mod args;
+pub mod content_type;
 pub mod endpoint;
 pub mod mount;
 pub mod options;

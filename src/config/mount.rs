@@ -5,6 +5,7 @@
 //! single allow-list of flags, `-o` lists, fstab, PV `mountOptions` and volume contexts),
 //! [`MountConfig::to_args`] writes a whole configuration back as `s3csi mount` flags.
 
+use super::content_type::ContentTypes;
 use super::options::{find_mount_option, Named, OptionDefault, OptionId, OptionValue};
 use super::options::{OptionSpec, MOUNT_OPTIONS};
 use super::units::{format_duration, format_size, parse_duration, parse_size, GIB, MIB};
@@ -155,6 +156,8 @@ pub struct MountConfig {
     pub write_back: Option<Duration>,
     /// Stored POSIX metadata is neither shown nor written (default: it is, as s3fs does).
     pub ignore_metadata: bool,
+    /// The Content-Type objects written get (`--content-type`).
+    pub content_type: ContentTypes,
     pub debug: bool,
 }
 
@@ -189,6 +192,8 @@ impl MountConfig {
             data_cache: false,
             passthrough: Passthrough::ReadOnly,
             ignore_metadata: false,
+            // Placeholder, replaced by its table default just below.
+            content_type: ContentTypes::Off,
             write_back: None,
             debug: false,
             // Placeholders, each replaced by its table default just below.
@@ -399,6 +404,9 @@ impl MountConfig {
                 self.write_back = Some(parse_duration(text()?).map_err(|e| invalid(key, e))?)
             }
             IgnoreMetadata => self.ignore_metadata = switch()?,
+            ContentType => {
+                self.content_type = ContentTypes::parse(text()?).map_err(|e| invalid(key, e))?
+            }
             Debug => self.debug = switch()?,
             // Settings of the `s3csi mount` process, not of the mount (`MountArgs` has them).
             Foreground | LogFile | CacheDir => {
@@ -451,6 +459,7 @@ impl MountConfig {
             CacheMemory => Some(format_size(self.cache_memory)),
             WriteBack => self.write_back.map(format_duration),
             IgnoreMetadata => on(self.ignore_metadata),
+            ContentType => Some(self.content_type.to_string()),
             Debug => on(self.debug),
             Foreground | LogFile | CacheDir => None,
         }
@@ -517,9 +526,10 @@ mod tests {
         assert_eq!(c.part_size, 16 * MIB);
         assert_eq!(c.max_concurrency, 4);
         assert_eq!(c.source.prefix, "p/");
-        c.apply_option_list("rw=whatever,endpoint=https://s3.example")
+        c.apply_option_list("rw=whatever,endpoint=https://s3.example,content_type=text/csv")
             .unwrap();
         assert!(!c.read_only);
+        assert_eq!(c.content_type, ContentTypes::Fixed("text/csv".into()));
         assert_eq!(
             c.endpoint.endpoint_url.as_deref(),
             Some("https://s3.example")
@@ -538,6 +548,7 @@ mod tests {
             ("endpoint-url=ftp://x", "endpoint-url"),
             ("max-concurrency=0", "max-concurrency"),
             ("read-only=maybe", "read-only"),
+            ("content-type=text", "content-type"),
             ("uid", "uid"),
             // Flags of the process, not mount options.
             ("foreground", "foreground"),
@@ -566,6 +577,7 @@ mod tests {
         assert!(!(c.sync_create || c.sync_delete || c.page_cache));
         assert_eq!(c.uid, nix::unistd::geteuid().as_raw());
         assert_eq!(c.source.prefix, "");
+        assert_eq!(c.content_type, ContentTypes::Infer);
         assert!(c.to_args().is_empty(), "{:?}", c.to_args());
         // Every option reads back its own written value unchanged.
         for spec in MOUNT_OPTIONS.iter().filter(|s| s.is_mount_option()) {

@@ -36,6 +36,7 @@ pub enum OptionId {
     CacheMemory,
     WriteBack,
     IgnoreMetadata,
+    ContentType,
     Foreground,
     LogFile,
     Debug,
@@ -457,6 +458,16 @@ pub static MOUNT_OPTIONS: &[OptionSpec] = &[
         "Ignore POSIX metadata stored with objects (s3fs's x-amz-meta-mode/uid/gid/mtime): \
          every file shows --uid/--gid/--file-mode/--dir-mode and chmod, chown, utimes are \
          accepted and forgotten; saves the HEAD per object a listing otherwise costs",
+    ),
+    OptionSpec::text(
+        Id::ContentType,
+        "content-type",
+        "TYPE",
+        Value("infer"),
+        "Content-Type of the objects written: infer (from the file name's extension, else \
+         application/octet-stream), off (always application/octet-stream) or one MIME type \
+         for every file (e.g. text/plain). An existing object keeps its type through edits, \
+         chmod/chown/utimes and renames; a rename that changes the extension re-infers it",
     ),
     OptionSpec::switch(
         Id::Foreground,

@@ -276,12 +276,15 @@ impl ObjectClient for DeferredDeletes {
         dst: &str,
         size: u64,
         src_etag: Option<&str>,
+        content_type: Option<&str>,
     ) -> S3Result<()> {
         self.settle(dst).await;
         if lock(&self.ledger).pending.contains_key(src) {
             return Err(S3Error::NotFound);
         }
-        self.inner.copy_object_if(src, dst, size, src_etag).await
+        self.inner
+            .copy_object_if(src, dst, size, src_etag, content_type)
+            .await
     }
 
     async fn delete_object(&self, key: &str) -> S3Result<()> {

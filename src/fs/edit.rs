@@ -455,7 +455,11 @@ impl S3Fs {
         let cfg = self.commit_config();
         let mut failed = 0;
         for mut file in area.take_recovered() {
-            let meta = file.recovered_meta().cloned();
+            // A predecessor of an older version may have recorded no Content-Type.
+            let meta = Some(self.typed(
+                file.recovered_meta().cloned().unwrap_or_default(),
+                file.key(),
+            ));
             match file.commit(&cfg, meta.as_ref()).await {
                 Ok(_) => {
                     tracing::info!(key = %file.key(), "uploaded an edit a previous mounter kept")

@@ -96,10 +96,10 @@ fn file_attr(a: &Attr) -> FileAttr {
         crtime: a.mtime,
         kind: file_type(a.node),
         perm: a.perm,
-        nlink: if a.node == NodeType::Dir { 2 } else { 1 },
+        nlink: a.nlink,
         uid: a.uid,
         gid: a.gid,
-        rdev: 0,
+        rdev: a.rdev,
         blksize: 128 * 1024,
         flags: 0,
     }
@@ -385,7 +385,7 @@ impl Filesystem for FuseAdapter {
         name: &OsStr,
         mode: u32,
         umask: u32,
-        _rdev: u32,
+        rdev: u32,
         reply: ReplyEntry,
     ) {
         let fs = self.fs.clone();
@@ -393,7 +393,10 @@ impl Filesystem for FuseAdapter {
         let who = creator(req);
         self.rt.spawn(async move {
             let res = match utf8(&name) {
-                Ok(n) => fs.mknod(parent.0, n, mode & !(umask & 0o777), who).await,
+                Ok(n) => {
+                    fs.mknod(parent.0, n, mode & !(umask & 0o777), rdev, who)
+                        .await
+                }
                 Err(e) => Err(e),
             };
             match res {
@@ -434,12 +437,19 @@ impl Filesystem for FuseAdapter {
         });
     }
 
-    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+    fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let fs = self.fs.clone();
         let file_flags = self.file_flags;
         let mode = open_mode(flags.0);
         let backing = self.backing.clone();
+        // An atomic O_TRUNC open is a truncate the kernel sends no SETATTR for.
+        let drop_set_id = mode.write && flags.0 & libc::O_TRUNC != 0 && req.uid() != 0;
         self.rt.spawn(async move {
+            if drop_set_id {
+                if let Err(e) = fs.drop_set_id_bits(ino.0).await {
+                    return reply.error(errno(&e));
+                }
+            }
             if !backing.negotiated() {
                 return match fs.open(ino.0, mode).await {
                     Ok(fh) => reply.opened(FileHandle(fh), file_flags),
@@ -554,8 +564,8 @@ impl Filesystem for FuseAdapter {
 
     fn write(
         &self,
-        _req: &Request,
-        _ino: INodeNo,
+        req: &Request,
+        ino: INodeNo,
         fh: FileHandle,
         offset: u64,
         data: &[u8],
@@ -567,7 +577,15 @@ impl Filesystem for FuseAdapter {
         let fs = self.fs.clone();
         let data = data.to_vec();
         let owner = lock_owner.map(|o| o.0);
+        // Root stands for CAP_FSETID (page-cache writeback comes as root: the kernel has
+        // cleared the bits itself then).
+        let drop_set_id = req.uid() != 0;
         self.rt.spawn(async move {
+            if drop_set_id {
+                if let Err(e) = fs.drop_set_id_bits(ino.0).await {
+                    return reply.error(errno(&e));
+                }
+            }
             match fs.write(fh.0, offset, &data, owner).await {
                 Ok(n) => reply.written(n as u32),
                 Err(e) => reply.error(errno(&e)),

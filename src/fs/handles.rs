@@ -263,12 +263,18 @@ impl S3Fs {
         }
         match &mut f.state {
             FileState::Read(p) => {
+                let fresh = !p.served_any();
                 let r = p.read(offset, size).await;
                 if let Err(FsError::Stale) = &r {
-                    tracing::warn!(key = %f.key, "the object changed in S3 while open; ESTALE");
                     if let Some(i) = self.inodes().get_mut(ino) {
                         i.validated = None;
                     }
+                    if fresh {
+                        // Replaced before this descriptor returned a byte: nothing of the
+                        // old version was seen, so it reads the current one.
+                        return self.reread_current(&mut f, offset, size).await;
+                    }
+                    tracing::warn!(key = %f.key, "the object changed in S3 while open; ESTALE");
                 }
                 r
             }
@@ -277,6 +283,18 @@ impl S3Fs {
             ))),
             _ => unreachable!("staged and writing handles were handled above"),
         }
+    }
+
+    /// Looks the object up again and reads from its current version: for a reader that
+    /// has returned nothing of the version it opened. A second change meanwhile is ESTALE.
+    async fn reread_current(&self, f: &mut OpenFile, offset: u64, size: u32) -> FsResult<Bytes> {
+        let i = self.inode(f.ino)?;
+        let attr = self.head_attr(f.ino, &i).await?;
+        tracing::debug!(key = %f.key, size = attr.size, "replaced in S3 before the first read; reading the new version");
+        let mut p = self.prefetcher(&self.inode(f.ino)?, attr.size);
+        let r = p.read(offset, size).await;
+        f.state = FileState::Read(p);
+        r
     }
 
     /// The last close of an open file. A handle this mounter does not know (opened

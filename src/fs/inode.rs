@@ -72,6 +72,16 @@ pub struct Inode {
     /// Written through this mount since its metadata was last saved: its mtime is the
     /// time of the last write (`mtime`), not the stored one.
     pub mtime_from_writes: bool,
+    /// When this mount last renamed the inode: shown as its ctime while later than the
+    /// stored one (S3 keeps no ctime of its own; see `S3Fs::attr_of`).
+    pub renamed_at: Option<SystemTime>,
+    /// For directories: when this mount last created, removed or renamed an entry in it:
+    /// shown as its mtime and ctime while later than the stored ones, as on a local disk.
+    pub entries_changed_at: Option<SystemTime>,
+    /// For directories: how many subdirectories the table binds in it (its link count is
+    /// 2 more; exact while `complete_as_of` says all children are known). Kept by `bind`
+    /// and `unbind_name`, nowhere else.
+    pub subdirs: u32,
 }
 
 impl Inode {
@@ -157,6 +167,9 @@ impl InodeTable {
             meta_saved: 0,
             link_target: None,
             mtime_from_writes: false,
+            renamed_at: None,
+            entries_changed_at: None,
+            subdirs: 0,
         };
         Self {
             by_ino: HashMap::from([(ROOT_INO, Box::new(root))]),
@@ -207,6 +220,9 @@ impl InodeTable {
                     meta_saved: 0,
                     link_target: None,
                     mtime_from_writes: false,
+                    renamed_at: None,
+                    entries_changed_at: None,
+                    subdirs: 0,
                 }),
             );
             self.bind(b.parent, b.name(), b.ino);
@@ -287,10 +303,16 @@ impl InodeTable {
 
     /// Binds `name` in `parent` to `ino`; returns the inode bound to it before.
     fn bind(&mut self, parent: u64, name: &str, ino: u64) -> Option<u64> {
-        self.children
+        let before = self
+            .children
             .entry(parent)
             .or_default()
-            .insert(name.to_string(), ino)
+            .insert(name.to_string(), ino);
+        if let Some(old) = before {
+            self.count_subdir(parent, old, false);
+        }
+        self.count_subdir(parent, ino, true);
+        before
     }
 
     /// Removes the binding of `name` in `parent`, whatever it is bound to.
@@ -300,7 +322,25 @@ impl InodeTable {
         if names.is_empty() {
             self.children.remove(&parent);
         }
+        if let Some(ino) = ino {
+            self.count_subdir(parent, ino, false);
+        }
         ino
+    }
+
+    /// Keeps `parent.subdirs` as the number of directories bound in it (`child` was bound,
+    /// or unbound). The child's inode exists at both moments (see `evict`).
+    fn count_subdir(&mut self, parent: u64, child: u64, bound: bool) {
+        if self.by_ino.get(&child).map(|c| c.kind) != Some(Kind::Dir) {
+            return;
+        }
+        if let Some(p) = self.by_ino.get_mut(&parent) {
+            p.subdirs = if bound {
+                p.subdirs + 1
+            } else {
+                p.subdirs.saturating_sub(1)
+            };
+        }
     }
 
     /// What `upsert` does, for a child still bound to the version a listing shows (same
@@ -397,6 +437,9 @@ impl InodeTable {
                 meta_saved: 0,
                 link_target: None,
                 mtime_from_writes: false,
+                renamed_at: None,
+                entries_changed_at: None,
+                subdirs: 0,
             }),
         );
         if let Some(i) = self.by_ino.get_mut(&ino) {
@@ -487,13 +530,29 @@ impl InodeTable {
     }
 
     fn evict(&mut self, ino: u64) {
-        if let Some(i) = self.by_ino.remove(&ino) {
-            if self.bound(i.parent, &i.name) == Some(ino) {
-                self.unbind_name(i.parent, &i.name);
-                self.forget_completeness(i.parent);
+        if let Some(i) = self.by_ino.get(&ino) {
+            let (parent, name) = (i.parent, i.name.clone());
+            if self.bound(parent, &name) == Some(ino) {
+                // Unbound while the inode still says what it is (`count_subdir`).
+                self.unbind_name(parent, &name);
+                self.forget_completeness(parent);
             }
         }
+        self.by_ino.remove(&ino);
         self.log_gone(ino);
+    }
+
+    /// An entry of `dir` was created, removed or renamed through this mount.
+    pub fn entries_changed(&mut self, dir: u64) {
+        if let Some(d) = self.by_ino.get_mut(&dir) {
+            d.entries_changed_at = Some(SystemTime::now());
+        }
+    }
+
+    /// Unbinds `name`, removed through this mount: its directory changed.
+    pub fn remove_here(&mut self, parent: u64, name: &str) -> Option<u64> {
+        self.entries_changed(parent);
+        self.unbind(parent, name)
     }
 
     /// Unbinds `name`; the inode itself lives on until the kernel forgets it.
@@ -515,6 +574,11 @@ impl InodeTable {
         };
         if self.bound(old_parent, &old_name) == Some(ino) {
             self.unbind_name(old_parent, &old_name);
+        }
+        self.entries_changed(old_parent);
+        self.entries_changed(new_parent);
+        if let Some(i) = self.by_ino.get_mut(&ino) {
+            i.renamed_at = Some(SystemTime::now());
         }
         let replaced = self.bind(new_parent, new_name, ino);
         let kind = self.by_ino.get(&ino).map_or(Kind::File, |i| i.kind);
@@ -696,6 +760,7 @@ impl InodeTable {
         i.mtime = SystemTime::now();
         i.etag = None;
         i.local_only = kind == Kind::File;
+        self.entries_changed(parent);
         // create() hands the number to the kernel without add_lookup.
         self.log_known(ino);
         Some(ino)

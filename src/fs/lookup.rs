@@ -83,7 +83,17 @@ impl S3Fs {
     }
 
     async fn find(&self, parent: u64, name: &str, kernel_ref: bool) -> FsResult<Attr> {
-        check_name(name)?;
+        check_existing_name(name)?;
+        match self.find_existing(parent, name, kernel_ref).await {
+            // A long name that does not exist is one this mount could not have made:
+            // ENAMETOOLONG, as on a local file system (and it stops link and the like
+            // before they ask further).
+            Err(FsError::NotFound) if name.len() > NAME_MAX => Err(FsError::NameTooLong),
+            found => found,
+        }
+    }
+
+    async fn find_existing(&self, parent: u64, name: &str, kernel_ref: bool) -> FsResult<Attr> {
         let parent_inode = self.dir_inode(parent)?;
         // A child known from a listing, which tells no metadata, needs one HEAD first. If
         // the table evicts it meanwhile (a directory larger than the table's cap), it is

@@ -10,7 +10,8 @@
 //! | `x-amz-meta-xattr` | URL-encoded JSON object, name → base64 of the value: `%7B%22user.foo%22%3A%22YmFy%22%7D` |
 //!
 //! A symlink is an object whose body is the target and whose mode has S_IFLNK; a fifo,
-//! socket or device node is an empty object whose mode says so (s3fs 1.90 keeps no rdev).
+//! socket or device node is an empty object whose mode says so; a device node's number is
+//! `x-amz-meta-rdev` (decimal, as newer s3fs writes it; 1.90 kept none).
 //! Headers other clients wrote that we do not understand are kept on every rewrite; a
 //! malformed value is ignored (debug log) and the mount's default used instead: another
 //! client's bad header must never fail a lookup.
@@ -39,6 +40,7 @@ const MTIME: &str = "mtime";
 const CTIME: &str = "ctime";
 const ATIME: &str = "atime";
 const XATTR: &str = "xattr";
+const RDEV: &str = "rdev";
 
 /// What `stat` shows as the file type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,6 +93,11 @@ pub struct PosixMeta {
     pub ctime: Option<SystemTime>,
     pub atime: Option<SystemTime>,
     pub xattrs: BTreeMap<String, Vec<u8>>,
+    /// A device node's number, as FUSE encodes it (`st_rdev`).
+    pub rdev: Option<u32>,
+    /// The object's Content-Type (HEAD's, or the one its last write here gave it), kept on
+    /// every rewrite (see `config::content_type`).
+    pub content_type: Option<String>,
     /// User metadata we do not interpret, written back unchanged.
     pub other: UserMeta,
 }
@@ -107,6 +114,11 @@ impl PosixMeta {
                 CTIME => parse_time(value).map(|v| m.ctime = Some(v)).is_some(),
                 ATIME => parse_time(value).map(|v| m.atime = Some(v)).is_some(),
                 XATTR => parse_xattrs(value).map(|v| m.xattrs = v).is_some(),
+                RDEV => value.trim().parse().map(|v| m.rdev = Some(v)).is_ok(),
+                crate::s3::CONTENT_TYPE => {
+                    m.content_type = Some(value.clone());
+                    true
+                }
                 _ => {
                     m.other.insert(name.clone(), value.clone());
                     true
@@ -132,6 +144,9 @@ impl PosixMeta {
         if let Some(v) = self.gid {
             h.insert(GID.into(), v.to_string());
         }
+        if let Some(v) = self.rdev {
+            h.insert(RDEV.into(), v.to_string());
+        }
         for (name, t) in [
             (MTIME, self.mtime),
             (CTIME, self.ctime),
@@ -143,6 +158,9 @@ impl PosixMeta {
         }
         if !self.xattrs.is_empty() {
             h.insert(XATTR.into(), format_xattrs(&self.xattrs));
+        }
+        if let Some(t) = &self.content_type {
+            h.insert(crate::s3::CONTENT_TYPE.into(), t.clone());
         }
         h
     }

@@ -13,7 +13,8 @@
 
 use super::meta::{NodeType, PosixMeta, S_IFLNK, S_IFMT, S_IFREG};
 use super::*;
-use crate::s3::{S3Result, UserMeta};
+use crate::config::content_type::ContentTypes;
+use crate::s3::{S3Result, UserMeta, CONTENT_TYPE};
 use futures::StreamExt;
 
 /// How long a metadata change waits for others to share its CopyObject, by default
@@ -138,21 +139,41 @@ pub(super) fn new_meta(mode: u32, who: Creator) -> PosixMeta {
     }
 }
 
+/// `h` with a Content-Type: the one it carries (an existing object's, which is kept),
+/// else the one `types` gives a new object at `key`.
+pub(super) fn with_content_type(types: &ContentTypes, mut h: UserMeta, key: &str) -> UserMeta {
+    h.entry(CONTENT_TYPE.to_string())
+        .or_insert_with(|| types.for_key(key));
+    h
+}
+
 impl S3Fs {
-    /// The headers the next upload of `ino` carries, if stored metadata is honoured. A
-    /// file written since it was last saved gets the time of its last write as mtime.
+    /// `headers` for a write of `key`, with their Content-Type (see `with_content_type`).
+    pub(super) fn typed(&self, headers: UserMeta, key: &str) -> UserMeta {
+        with_content_type(&self.cfg.content_type, headers, key)
+    }
+
+    /// The headers the next upload of `ino` carries: its Content-Type (the stored one,
+    /// else the name's, recorded as the object's), and its POSIX metadata if stored
+    /// metadata is honoured. A file written since it was last saved gets the time of its
+    /// last write as mtime. `None` only for an inode no longer known.
     pub(super) fn upload_headers(&self, ino: u64) -> Option<UserMeta> {
-        if !self.cfg.posix_metadata {
-            return None;
-        }
         let mut t = self.inodes();
         let i = t.get_mut(ino)?;
         let written_at = i.mtime;
-        let m = i.meta.as_mut()?;
-        if i.mtime_from_writes {
+        let m = match i.meta.as_mut() {
+            Some(m) if self.cfg.posix_metadata => m,
+            _ => return Some(self.typed(UserMeta::new(), &i.key)),
+        };
+        if i.mtime_from_writes || m.content_type.is_none() {
             let m = Arc::make_mut(m);
-            m.mtime = Some(written_at);
-            m.ctime = Some(written_at);
+            if i.mtime_from_writes {
+                m.mtime = Some(written_at);
+                m.ctime = Some(written_at);
+            }
+            if m.content_type.is_none() {
+                m.content_type = Some(self.cfg.content_type.for_key(&i.key));
+            }
         }
         Some(m.to_headers())
     }
@@ -202,6 +223,9 @@ impl S3Fs {
             if let Some(t) = set.mtime {
                 m.mtime = Some(t);
                 i.mtime_from_writes = false;
+                // A time set explicitly (touch -d, rsync -t, tar) wins over the entries'
+                // changes before it.
+                i.entries_changed_at = None;
             } else if m.mtime.is_none() {
                 m.mtime = Some(shown.mtime);
             }
@@ -216,6 +240,35 @@ impl S3Fs {
             self.schedule_save(ino);
         }
         Ok(attr)
+    }
+
+    /// Clears the set-user-ID bit of file `ino`, and its set-group-ID bit if it is
+    /// group-executable, as the kernel does when a process without CAP_FSETID writes or
+    /// truncates a file: direct I/O writes and `O_TRUNC` opens (atomic here) reach us
+    /// without the SETATTR the kernel sends otherwise. Costs nothing unless a bit is set;
+    /// then it is a metadata change like chmod's.
+    pub async fn drop_set_id_bits(&self, ino: u64) -> FsResult<()> {
+        let perm = {
+            let t = self.inodes();
+            match t.get(ino) {
+                Some(i) if i.kind == Kind::File => self.attr_of(i).perm,
+                _ => return Ok(()),
+            }
+        };
+        let kill = set_id_bits_to_kill(perm);
+        if kill == 0 {
+            return Ok(());
+        }
+        let mode = Some(u32::from(perm & !kill));
+        self.set_attrs(
+            ino,
+            SetAttrs {
+                mode,
+                ..Default::default()
+            },
+        )
+        .await
+        .map(|_| ())
     }
 
     /// Saves `ino`'s metadata `meta_save_delay` from now (see the module doc).
@@ -233,6 +286,7 @@ impl S3Fs {
             client: self.client.clone(),
             inodes: self.inodes.clone(),
             pending: self.pending.clone(),
+            content_type: self.cfg.content_type.clone(),
         }
     }
 
@@ -372,6 +426,7 @@ impl S3Fs {
                 parent,
                 name,
                 S_IFLNK | 0o777,
+                None,
                 who,
                 Bytes::copy_from_slice(target.as_bytes()),
             )
@@ -383,21 +438,37 @@ impl S3Fs {
     }
 
     /// mknod: a fifo, socket or device node is an empty object whose mode says what it
-    /// is (as s3fs stores them; no rdev, as in s3fs 1.90); a regular file is created empty.
-    pub async fn mknod(&self, parent: u64, name: &str, mode: u32, who: Creator) -> FsResult<Attr> {
+    /// is, and a device node's number in `rdev` (as s3fs stores them); a regular file is
+    /// created empty.
+    pub async fn mknod(
+        &self,
+        parent: u64,
+        name: &str,
+        mode: u32,
+        rdev: u32,
+        who: Creator,
+    ) -> FsResult<Attr> {
         let ifmt = if mode & S_IFMT == 0 {
             S_IFREG
         } else {
             mode & S_IFMT
         };
-        match NodeType::from_mode(ifmt) {
+        let rdev = match NodeType::from_mode(ifmt) {
             Some(NodeType::Dir | NodeType::Symlink) | None => {
                 return Err(FsError::Invalid("mknod of this file type"))
             }
-            Some(_) => {}
-        }
+            Some(NodeType::CharDev | NodeType::BlockDev) => Some(rdev),
+            Some(_) => None,
+        };
         let ino = self
-            .create_object(parent, name, ifmt | (mode & 0o7777), who, Bytes::new())
+            .create_object(
+                parent,
+                name,
+                ifmt | (mode & 0o7777),
+                rdev,
+                who,
+                Bytes::new(),
+            )
             .await?;
         Ok(self.attr_of(&self.inode(ino)?))
     }
@@ -408,6 +479,7 @@ impl S3Fs {
         parent: u64,
         name: &str,
         mode: u32,
+        rdev: Option<u32>,
         who: Creator,
         body: Bytes,
     ) -> FsResult<u64> {
@@ -429,7 +501,9 @@ impl S3Fs {
         if !self.listing_fresh(&p) && self.probe(&p.key, name).await?.is_some() {
             return Err(FsError::Exists);
         }
-        let m = new_meta(mode, who);
+        let mut m = new_meta(mode, who);
+        m.rdev = rdev;
+        m.content_type = Some(self.cfg.content_type.for_key(&key));
         let size = body.len() as u64;
         let put = self
             .client
@@ -437,6 +511,7 @@ impl S3Fs {
             .await?;
         let mut t = self.inodes();
         let ino = t.upsert(parent, name, Kind::File, size, SystemTime::now(), put.etag);
+        t.entries_changed(parent);
         let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
         i.meta = Some(Arc::new(m));
         i.meta_stamp = None;
@@ -485,6 +560,9 @@ struct Saver {
     client: Arc<dyn ObjectClient>,
     inodes: Arc<Mutex<InodeTable>>,
     pending: Arc<Mutex<HashMap<u64, PendingCreate>>>,
+    /// For objects whose type is unknown here: the copy must name one (see
+    /// `ObjectClient::replace_metadata`).
+    content_type: ContentTypes,
 }
 
 impl Saver {
@@ -504,6 +582,8 @@ impl Saver {
                 return Ok(());
             }
             let headers = i.meta.as_ref().map(|m| m.to_headers()).unwrap_or_default();
+            // The copy replaces the Content-Type as well: the stored one goes with it.
+            let headers = with_content_type(&self.content_type, headers, &i.key);
             (
                 i.key.clone(),
                 i.kind,
@@ -569,4 +649,14 @@ impl Saver {
             }
         }
     }
+}
+
+/// The set-ID bits a write without CAP_FSETID clears from `perm`: S_ISUID, and S_ISGID
+/// when the group may execute (without it, S_ISGID marks mandatory locking and stays).
+fn set_id_bits_to_kill(perm: u16) -> u16 {
+    let mut kill = perm & 0o4000;
+    if perm & 0o2010 == 0o2010 {
+        kill |= 0o2000;
+    }
+    kill
 }

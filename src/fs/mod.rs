@@ -136,6 +136,8 @@ pub struct FsConfig {
     /// Stored POSIX metadata (`meta.rs`) is read and written; off: every file shows the
     /// defaults above and chmod/chown/utimes are accepted and forgotten, as before.
     pub posix_metadata: bool,
+    /// The Content-Type new objects get (`--content-type`; see `S3Fs::typed`).
+    pub content_type: crate::config::content_type::ContentTypes,
     /// How long a metadata change waits for others to share its CopyObject (see
     /// `meta_update.rs`).
     pub meta_save_delay: Duration,
@@ -172,6 +174,7 @@ impl From<&MountConfig> for FsConfig {
             cache_memory: cfg.cache_memory,
             write_back: cfg.write_back,
             posix_metadata: !cfg.ignore_metadata,
+            content_type: cfg.content_type.clone(),
             meta_save_delay: meta_update::SAVE_DELAY,
         }
     }
@@ -200,6 +203,11 @@ pub struct Attr {
     pub perm: u16,
     pub uid: u32,
     pub gid: u32,
+    /// Links: 1 for a file; for a directory whose entries are all known, 2 and one per
+    /// subdirectory (see `Inode::subdirs`), else 1.
+    pub nlink: u32,
+    /// A device node's number (`st_rdev`); 0 for the rest.
+    pub rdev: u32,
     /// How long the kernel may cache this.
     pub ttl: Duration,
 }
@@ -305,15 +313,31 @@ impl Drop for Inodes<'_> {
     }
 }
 
+/// Names this mount creates: a path component of at most 255 bytes (NAME_MAX, what
+/// `statfs` reports and what programs size their buffers by).
 fn check_name(name: &str) -> FsResult<()> {
-    if name.is_empty() || name == "." || name == ".." || name.contains('/') || name.contains('\0') {
-        return Err(FsError::InvalidName);
-    }
-    if name.len() > 255 {
+    check_existing_name(name)?;
+    if name.len() > NAME_MAX {
         return Err(FsError::NameTooLong);
     }
     Ok(())
 }
+
+/// Names of entries that may already exist: other clients write keys whose last
+/// component passes 255 bytes, and those are listed, looked up, opened, renamed and
+/// removed up to the kernel's FUSE limit of 1 024 bytes (a key's own limit as well).
+fn check_existing_name(name: &str) -> FsResult<()> {
+    if name.is_empty() || name == "." || name == ".." || name.contains('/') || name.contains('\0') {
+        return Err(FsError::InvalidName);
+    }
+    if name.len() > FUSE_NAME_MAX {
+        return Err(FsError::NameTooLong);
+    }
+    Ok(())
+}
+
+const NAME_MAX: usize = 255;
+const FUSE_NAME_MAX: usize = 1024;
 
 impl S3Fs {
     pub fn new(client: Arc<dyn ObjectClient>, cfg: FsConfig) -> Self {
@@ -422,13 +446,19 @@ impl S3Fs {
                 i.mtime
             })
         };
+        // Changes made here show at once, at no request (see `Inode::entries_changed_at`).
+        let mtime = mtime.max(i.entries_changed_at.unwrap_or(mtime));
+        let ctime = [i.entries_changed_at, i.renamed_at]
+            .into_iter()
+            .flatten()
+            .fold(m.and_then(|m| m.ctime).unwrap_or(mtime), SystemTime::max);
         Attr {
             ino: i.ino,
             kind: i.kind,
             node,
             size: i.size,
             mtime,
-            ctime: m.and_then(|m| m.ctime).unwrap_or(mtime),
+            ctime,
             atime: m.and_then(|m| m.atime).unwrap_or(mtime),
             perm: m.and_then(|m| m.perm()).unwrap_or(match i.kind {
                 Kind::File => self.cfg.file_mode,
@@ -436,6 +466,19 @@ impl S3Fs {
             }),
             uid: m.and_then(|m| m.uid).unwrap_or(self.cfg.uid),
             gid: m.and_then(|m| m.gid).unwrap_or(self.cfg.gid),
+            nlink: match i.kind {
+                Kind::File => 1,
+                // 1 is "not known" to tree walkers (the FUSE FAQ's convention): fts and
+                // find never take it to mean there are no subdirectories left to visit.
+                Kind::Dir if i.complete_as_of.is_some() => 2 + i.subdirs,
+                Kind::Dir => 1,
+            },
+            rdev: match node {
+                meta::NodeType::CharDev | meta::NodeType::BlockDev => {
+                    m.and_then(|m| m.rdev).unwrap_or(0)
+                }
+                _ => 0,
+            },
             // Also while a file is being written: every write goes through the kernel, which
             // updates the size itself and drops its cached times, so a cached answer cannot go
             // stale; and `stat` right after creating a file costs no round trip to us. An

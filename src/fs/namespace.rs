@@ -38,16 +38,13 @@ impl S3Fs {
         let m = mode
             .filter(|_| self.cfg.posix_metadata)
             .map(|(mode, who)| super::meta_update::new_meta(mode & 0o7777, who));
-        match &m {
-            Some(m) => {
-                self.client
-                    .put_object_with_meta(&key, Bytes::new(), &m.to_headers())
-                    .await?
-            }
-            None => self.client.put_object(&key, Bytes::new()).await?,
-        };
+        let headers = self.typed(m.as_ref().map(|m| m.to_headers()).unwrap_or_default(), &key);
+        self.client
+            .put_object_with_meta(&key, Bytes::new(), &headers)
+            .await?;
         let mut t = self.inodes();
         let ino = t.upsert(parent, name, Kind::Dir, 0, SystemTime::now(), None);
+        t.entries_changed(parent);
         t.add_lookup(ino);
         let i = t.get_mut(ino).ok_or(FsError::NotFound)?;
         if self.cfg.posix_metadata {
@@ -60,7 +57,7 @@ impl S3Fs {
 
     pub async fn rmdir(&self, parent: u64, name: &str) -> FsResult<()> {
         self.writable()?;
-        check_name(name)?;
+        check_existing_name(name)?;
         let p = self.dir_inode(parent)?;
         let key = format!("{}{}/", p.key, name);
         if let Some(child) = self.inodes().child(parent, name) {
@@ -89,7 +86,7 @@ impl S3Fs {
                 .child(parent, name)
                 .is_some_and(|c| c.kind == Kind::Dir);
             if known_dir {
-                self.inodes().unbind(parent, name);
+                self.inodes().remove_here(parent, name);
                 return Ok(());
             }
             return Err(FsError::NotFound);
@@ -109,13 +106,13 @@ impl S3Fs {
             }
         }
         self.client.delete_object(&key).await?;
-        self.inodes().unbind(parent, name);
+        self.inodes().remove_here(parent, name);
         Ok(())
     }
 
     pub async fn unlink(&self, parent: u64, name: &str) -> FsResult<()> {
         self.writable()?;
-        check_name(name)?;
+        check_existing_name(name)?;
         let p = self.dir_inode(parent)?;
         let known = self.inodes().child(parent, name).cloned();
         let child = match known {
@@ -134,7 +131,7 @@ impl S3Fs {
                 let key = format!("{}{}", p.key, name);
                 let put_done = async move { drop(put.lock().await) };
                 self.deletes.delete_after(&key, put_done).await?;
-                self.inodes().unbind(parent, name);
+                self.inodes().remove_here(parent, name);
                 return Ok(());
             }
         }
@@ -149,7 +146,7 @@ impl S3Fs {
                 .delete_object(&format!("{}{}", p.key, name))
                 .await?;
         }
-        self.inodes().unbind(parent, name);
+        self.inodes().remove_here(parent, name);
         Ok(())
     }
 
@@ -186,7 +183,7 @@ impl S3Fs {
         no_replace: bool,
     ) -> FsResult<()> {
         self.writable()?;
-        check_name(name)?;
+        check_existing_name(name)?;
         check_name(new_name)?;
         let src_dir = self.dir_inode(parent)?;
         let dst_dir = self.dir_inode(new_parent)?;
@@ -263,8 +260,16 @@ impl S3Fs {
         if let Err(e) = self.save_meta(src.ino).await {
             tracing::debug!(key = %src_key, error = %e, "metadata not saved before rename");
         }
+        // The type goes along, unless the extension changes (see `config::content_type`).
+        let new_type = self.cfg.content_type.on_rename(&src_key, &dst_key);
         self.client
-            .copy_object_if(&src_key, &dst_key, size, etag.as_deref())
+            .copy_object_if(
+                &src_key,
+                &dst_key,
+                size,
+                etag.as_deref(),
+                new_type.as_deref(),
+            )
             .await?;
         self.client.delete_object(&src_key).await?;
         {
@@ -277,6 +282,9 @@ impl S3Fs {
                 i.etag = None;
                 // The copy's Last-Modified is new (same ETag): the next listing supplies it.
                 i.meta_stamp = None;
+                if let (Some(ct), Some(m)) = (&new_type, i.meta.as_mut()) {
+                    Arc::make_mut(m).content_type = Some(ct.clone());
+                }
             }
         }
         if let Some(h) = held {
@@ -388,7 +396,7 @@ impl S3Fs {
                 async move {
                     // Only the version listed: one replaced meanwhile fails the rename.
                     let done = client
-                        .copy_object_if(&key, &to, size, etag.as_deref())
+                        .copy_object_if(&key, &to, size, etag.as_deref(), None)
                         .await;
                     (to, done)
                 }

@@ -141,6 +141,9 @@ pub struct Prefetcher {
     in_order_from_start: bool,
     /// `--cache-memory`: what random reads fetched, shared by every handle.
     memory: Option<Arc<MemoryCache>>,
+    /// A read returned bytes of this version: from then on a replaced object is ESTALE
+    /// for this reader (see [`Prefetcher::served_any`]).
+    served: bool,
 }
 
 struct CachedVersion {
@@ -191,7 +194,14 @@ impl Prefetcher {
             cache: None,
             in_order_from_start: true,
             memory: None,
+            served: false,
         }
+    }
+
+    /// Whether a read returned bytes yet. A reader that has returned none may move to
+    /// the current version of a replaced object without mixing two versions.
+    pub fn served_any(&self) -> bool {
+        self.served
     }
 
     /// Reads go to the data cache first, and what is fetched goes into it (only for a
@@ -229,6 +239,14 @@ impl Prefetcher {
     }
 
     pub async fn read(&mut self, offset: u64, len: u32) -> FsResult<Bytes> {
+        let r = self.read_range(offset, len).await;
+        if r.as_ref().is_ok_and(|b| !b.is_empty()) {
+            self.served = true;
+        }
+        r
+    }
+
+    async fn read_range(&mut self, offset: u64, len: u32) -> FsResult<Bytes> {
         if offset >= self.size || len == 0 {
             return Ok(Bytes::new());
         }

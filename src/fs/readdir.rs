@@ -19,9 +19,10 @@ pub(super) struct DirStream {
     pub(super) local_names: HashSet<String>,
 }
 
-/// A listing name is shown only if it is a valid single path component.
+/// A listing name is shown only if it is a valid single path component (longer than
+/// NAME_MAX included: another client's key may have one).
 pub(super) fn visible_name(name: &str) -> bool {
-    check_name(name).is_ok()
+    check_existing_name(name).is_ok()
 }
 
 /// One child as a LIST page shows it.

@@ -153,6 +153,7 @@ macro_rules! on_both_stores {
 }
 
 on_both_stores!(
+    a_fresh_open_of_an_object_replaced_in_s3_reads_the_new_version,
     directories_rename_with_everything_under_them,
     implicit_and_marker_directories_are_listed,
     write_read_rename_unlink_round_trip,
@@ -163,6 +164,8 @@ on_both_stores!(
     chmod_chown_utimes_persist_in_one_copy_each_file,
     new_files_directories_symlinks_and_fifos_carry_s3fs_headers,
     xattrs_round_trip_in_s3fs_encoding,
+    content_types_are_inferred_and_kept,
+    names_longer_than_255_bytes_written_elsewhere_are_listed_opened_and_removed,
 );
 
 const ROOT: u64 = inode::ROOT_INO;
@@ -325,6 +328,75 @@ async fn large_directory_lists_every_key_across_pages() {
     assert_eq!(listed.len(), 2502);
     let unique: HashSet<_> = listed.iter().collect();
     assert_eq!(unique.len(), 2502);
+}
+
+/// Issue 40.1: another client replaces a file within the metadata TTL. An open that has
+/// returned no byte yet reads the new version (it was ESTALE); a descriptor that did return
+/// bytes of the old one never gets bytes of the new (see `edit.rs` in the integration tests).
+async fn a_fresh_open_of_an_object_replaced_in_s3_reads_the_new_version(store: Store) {
+    let fs = fs_with_store(&store, "");
+    let (attr, fh) = fs.create(ROOT, "f", W).await.unwrap();
+    fs.write(fh, 0, b"short", Some(1)).await.unwrap();
+    fs.flush(fh, 1).await.unwrap();
+    fs.release(fh).await.unwrap();
+    store.put("f", "a longer version").await;
+    let fh = fs.open(attr.ino, R).await.unwrap();
+    assert_eq!(
+        fs.read(fh, 0, 4096).await.unwrap().as_ref(),
+        b"a longer version"
+    );
+    fs.release(fh).await.unwrap();
+    assert_eq!(fs.getattr(attr.ino).await.unwrap().size, 16);
+}
+
+/// Issue 40.4: as on a local disk, a directory's mtime and ctime move when an entry is
+/// created, removed or renamed in it, and a renamed entry's ctime moves; at no request.
+#[tokio::test]
+async fn directory_times_follow_their_entries_and_rename_changes_ctime() {
+    let mem = Arc::new(MemClient::new());
+    let fs = fs_with(mem.clone(), "");
+    let d = fs.mkdir(ROOT, "d").await.unwrap();
+    let tick = || tokio::time::sleep(Duration::from_millis(20));
+    let mut last = fs.getattr(d.ino).await.unwrap();
+    let mut moved = |what: &str, now: Attr| {
+        assert!(
+            now.mtime > last.mtime && now.ctime > last.ctime,
+            "{what}: {:?} -> {:?}",
+            (last.mtime, last.ctime),
+            (now.mtime, now.ctime)
+        );
+        last = now;
+    };
+    tick().await;
+    let (f, fh) = fs.create(d.ino, "f", W).await.unwrap();
+    fs.write(fh, 0, b"x", Some(1)).await.unwrap();
+    fs.flush(fh, 1).await.unwrap();
+    fs.release(fh).await.unwrap();
+    moved("create", fs.getattr(d.ino).await.unwrap());
+    let file_before = fs.getattr(f.ino).await.unwrap();
+    tick().await;
+    fs.rename(d.ino, "f", d.ino, "g", false).await.unwrap();
+    let asked = mem.metadata_requests();
+    moved("rename", fs.getattr(d.ino).await.unwrap());
+    let file_after = fs.getattr(f.ino).await.unwrap();
+    assert!(
+        file_after.ctime > file_before.ctime,
+        "the renamed file's ctime"
+    );
+    assert_eq!(
+        file_after.mtime, file_before.mtime,
+        "rename keeps the mtime"
+    );
+    assert_eq!(mem.metadata_requests(), asked, "shown from memory");
+    tick().await;
+    fs.mkdir(d.ino, "sub").await.unwrap();
+    moved("mkdir", fs.getattr(d.ino).await.unwrap());
+    tick().await;
+    fs.rmdir(d.ino, "sub").await.unwrap();
+    moved("rmdir", fs.getattr(d.ino).await.unwrap());
+    tick().await;
+    fs.unlink(d.ino, "g").await.unwrap();
+    moved("unlink", fs.getattr(d.ino).await.unwrap());
 }
 
 async fn write_read_rename_unlink_round_trip(store: Store) {
@@ -528,6 +600,62 @@ async fn read_only_refuses_changes() {
     ));
     assert!(matches!(fs.mkdir(ROOT, "d").await, Err(FsError::ReadOnly)));
     assert!(matches!(fs.unlink(ROOT, "a").await, Err(FsError::ReadOnly)));
+}
+
+async fn names_longer_than_255_bytes_written_elsewhere_are_listed_opened_and_removed(store: Store) {
+    let long = "n".repeat(300);
+    let longer = "m".repeat(400);
+    store.put(&format!("d/{long}"), "long").await;
+    store.put(&format!("d/{longer}/f"), "under").await;
+    let fs = fs_with_store(&store, "");
+    let d = fs.lookup(ROOT, "d").await.unwrap();
+    let mut shown = names(&fs, d.ino).await;
+    shown.sort();
+    assert_eq!(shown, vec![".", "..", &longer, &long]);
+    let f = fs.lookup(d.ino, &long).await.unwrap();
+    let fh = fs.open(f.ino, R).await.unwrap();
+    assert_eq!(fs.read(fh, 0, 10).await.unwrap().as_ref(), b"long");
+    fs.release(fh).await.unwrap();
+    // Renamed to a name this mount could create, and removed.
+    fs.rename(d.ino, &long, d.ino, "short", false)
+        .await
+        .unwrap();
+    assert_eq!(store.get("d/short").await.unwrap().as_ref(), b"long");
+    let sub = fs.lookup(d.ino, &longer).await.unwrap();
+    fs.unlink(sub.ino, "f").await.unwrap();
+    fs.rmdir(d.ino, &longer).await.unwrap();
+    fs.unlink(d.ino, "short").await.unwrap();
+    assert_eq!(fs.flush_all().await, 0);
+    assert!(store.get("d/short").await.is_none());
+    assert!(store.get(&format!("d/{longer}/f")).await.is_none());
+    // A new name still has NAME_MAX.
+    assert!(matches!(
+        fs.create(d.ino, &long, W).await,
+        Err(FsError::NameTooLong)
+    ));
+}
+
+#[tokio::test]
+async fn a_directory_links_two_and_one_per_subdirectory() {
+    let mem = Arc::new(MemClient::new());
+    mem.insert("d/sub1/f", "x");
+    mem.insert("d/sub2/", "");
+    mem.insert("d/file", "x");
+    let fs = fs_with(mem, "");
+    let d = fs.lookup(ROOT, "d").await.unwrap();
+    assert_eq!(
+        d.nlink, 1,
+        "not known until it is listed: 1, not a count that misleads find"
+    );
+    names(&fs, d.ino).await;
+    assert_eq!(fs.getattr(d.ino).await.unwrap().nlink, 4);
+    assert_eq!(fs.lookup(d.ino, "file").await.unwrap().nlink, 1);
+    let e = fs.mkdir(d.ino, "e").await.unwrap();
+    assert_eq!((e.nlink, fs.getattr(d.ino).await.unwrap().nlink), (2, 5));
+    fs.rename(d.ino, "e", ROOT, "e", false).await.unwrap();
+    assert_eq!(fs.getattr(d.ino).await.unwrap().nlink, 4);
+    fs.rmdir(d.ino, "sub2").await.unwrap();
+    assert_eq!(fs.getattr(d.ino).await.unwrap().nlink, 3);
 }
 
 #[tokio::test]
@@ -1130,11 +1258,18 @@ async fn new_files_directories_symlinks_and_fifos_carry_s3fs_headers(store: Stor
     let l = fs.symlink(d.ino, "l", "../f", who).await.unwrap();
     assert_eq!(l.node, meta::NodeType::Symlink);
     let p = fs
-        .mknod(d.ino, "p", libc::S_IFIFO | 0o644, who)
+        .mknod(d.ino, "p", libc::S_IFIFO | 0o644, 0, who)
         .await
         .unwrap();
     assert_eq!(p.node, meta::NodeType::Fifo);
+    let dev = libc::makedev(1, 3) as u32;
+    let c = fs
+        .mknod(d.ino, "c", libc::S_IFCHR | 0o600, dev, who)
+        .await
+        .unwrap();
+    assert_eq!((c.node, c.rdev), (meta::NodeType::CharDev, dev));
     fs.flush_all().await;
+    assert_eq!(store.meta("d/c").await["rdev"], dev.to_string());
     let f = store.meta("f").await;
     assert_eq!(
         (f["mode"].as_str(), f["uid"].as_str(), f["gid"].as_str()),
@@ -1150,6 +1285,7 @@ async fn new_files_directories_symlinks_and_fifos_carry_s3fs_headers(store: Stor
     let d2 = again.lookup(ROOT, "d").await.unwrap();
     let l2 = again.lookup(d2.ino, "l").await.unwrap();
     assert_eq!(again.readlink(l2.ino).await.unwrap(), b"../f");
+    assert_eq!(again.lookup(d2.ino, "c").await.unwrap().rdev, dev);
     assert!(matches!(
         fs.symlink(d.ino, "l", "elsewhere", who).await,
         Err(FsError::Exists)
@@ -1436,4 +1572,151 @@ async fn a_directory_larger_than_the_entry_cap_never_loses_a_name() {
         fs.lookup(big.ino, "f99999").await,
         Err(FsError::NotFound)
     ));
+}
+
+// ---- Content-Type (config::content_type) ---------------------------------------------
+
+/// The Content-Type `key` has in the store (`None`: stored without one).
+async fn content_type_of(store: &Store, key: &str) -> Option<String> {
+    store.meta(key).await.get(crate::s3::CONTENT_TYPE).cloned()
+}
+
+async fn content_types_are_inferred_and_kept(store: Store) {
+    use meta_update::SetAttrs;
+    // Another client's object with a type of its own.
+    store
+        .put_meta("e.dat", "theirs", &[(crate::s3::CONTENT_TYPE, "x/custom")])
+        .await;
+    let fs = fs_with_store(&store, "");
+    for (name, body) in [
+        ("a.html", "<p>hello</p>"),
+        ("b.json", "{\"k\": 1}"),
+        ("c", "x"),
+    ] {
+        let (f, fh) = fs.create(ROOT, name, W).await.unwrap();
+        fs.init_meta(f.ino, 0o644, meta_update::Creator { uid: 1, gid: 2 });
+        fs.write(fh, 0, body.as_bytes(), None).await.unwrap();
+        fs.release(fh).await.unwrap();
+    }
+    assert_eq!(fs.flush_all().await, 0);
+    let ct = |t: Option<String>| t.unwrap_or_else(|| "(none)".into());
+    assert_eq!(ct(content_type_of(&store, "a.html").await), "text/html");
+    assert_eq!(
+        ct(content_type_of(&store, "b.json").await),
+        "application/json"
+    );
+    assert_eq!(
+        ct(content_type_of(&store, "c").await),
+        "application/octet-stream"
+    );
+    // chmod: a copy onto itself that replaces the metadata, the type included.
+    let b = fs.lookup(ROOT, "b.json").await.unwrap();
+    let chmod = |mode| SetAttrs {
+        mode: Some(mode),
+        ..Default::default()
+    };
+    fs.set_attrs(b.ino, chmod(0o600)).await.unwrap();
+    fs.fsync_meta_for_tests(b.ino).await;
+    let h = store.meta("b.json").await;
+    assert_eq!(h["mode"], (libc::S_IFREG | 0o600).to_string());
+    assert_eq!(
+        ct(h.get(crate::s3::CONTENT_TYPE).cloned()),
+        "application/json"
+    );
+    // A rename that changes the extension re-infers the type, as s3fs does.
+    fs.rename(ROOT, "a.html", ROOT, "a.txt", false)
+        .await
+        .unwrap();
+    assert_eq!(ct(content_type_of(&store, "a.txt").await), "text/plain");
+    assert_eq!(store.get("a.txt").await.unwrap().as_ref(), b"<p>hello</p>");
+    assert!(store.get("a.html").await.is_none());
+    // ... and the inode knows it: a chmod after it keeps the new type.
+    let a = fs.lookup(ROOT, "a.txt").await.unwrap();
+    fs.set_attrs(a.ino, chmod(0o640)).await.unwrap();
+    fs.fsync_meta_for_tests(a.ino).await;
+    assert_eq!(ct(content_type_of(&store, "a.txt").await), "text/plain");
+
+    // Another client's type survives an edit in place, a chmod and a rename that keeps
+    // the extension.
+    let e = fs.lookup(ROOT, "e.dat").await.unwrap();
+    let rw = OpenMode {
+        write: true,
+        truncate: false,
+        append: false,
+        exclusive: false,
+    };
+    let fh = fs.open(e.ino, rw).await.unwrap();
+    fs.write(fh, 0, b"T", Some(1)).await.unwrap();
+    fs.flush(fh, 1).await.unwrap();
+    fs.release(fh).await.unwrap();
+    assert_eq!(store.get("e.dat").await.unwrap().as_ref(), b"Theirs");
+    assert_eq!(ct(content_type_of(&store, "e.dat").await), "x/custom");
+    fs.set_attrs(e.ino, chmod(0o604)).await.unwrap();
+    fs.fsync_meta_for_tests(e.ino).await;
+    let h = store.meta("e.dat").await;
+    assert_eq!(h["mode"], (libc::S_IFREG | 0o604).to_string());
+    assert_eq!(ct(h.get(crate::s3::CONTENT_TYPE).cloned()), "x/custom");
+    fs.rename(ROOT, "e.dat", ROOT, "f.dat", false)
+        .await
+        .unwrap();
+    assert_eq!(ct(content_type_of(&store, "f.dat").await), "x/custom");
+    // A rewrite from the start (O_TRUNC) is an edit too: the type stays.
+    let f = fs.lookup(ROOT, "f.dat").await.unwrap();
+    let fh = fs.open(f.ino, W).await.unwrap();
+    fs.write(fh, 0, b"rewritten", Some(1)).await.unwrap();
+    fs.release(fh).await.unwrap();
+    assert_eq!(store.get("f.dat").await.unwrap().as_ref(), b"rewritten");
+    assert_eq!(ct(content_type_of(&store, "f.dat").await), "x/custom");
+    // Directory markers are typed as s3fs types them.
+    fs.mkdir(ROOT, "d").await.unwrap();
+    assert_eq!(
+        ct(content_type_of(&store, "d/").await),
+        "application/x-directory"
+    );
+}
+
+/// `--content-type off` and a fixed type: new objects get that; existing ones keep theirs.
+#[tokio::test]
+async fn content_type_off_and_fixed() {
+    use crate::config::content_type::ContentTypes;
+    for (mode, want) in [
+        (ContentTypes::Off, "application/octet-stream"),
+        (ContentTypes::Fixed("text/x-mine".into()), "text/x-mine"),
+    ] {
+        let mem = Arc::new(MemClient::new());
+        mem.insert_with_meta(
+            "old.html",
+            "old",
+            [(crate::s3::CONTENT_TYPE.to_string(), "x/custom".to_string())].into(),
+        );
+        let fs = S3Fs::new(
+            mem.clone(),
+            FsConfig {
+                part_size: 5,
+                metadata_ttl: Duration::from_secs(60),
+                content_type: mode.clone(),
+                ..FsConfig::default()
+            },
+        );
+        // Larger than a part: a multipart upload, which carries the type too.
+        let (_, fh) = fs.create(ROOT, "a.html", W).await.unwrap();
+        fs.write(fh, 0, b"<p>hello</p>", None).await.unwrap();
+        fs.release(fh).await.unwrap();
+        assert_eq!(fs.flush_all().await, 0);
+        assert_eq!(mem.content_type("a.html").as_deref(), Some(want), "{mode}");
+        fs.rename(ROOT, "old.html", ROOT, "old.txt", false)
+            .await
+            .unwrap();
+        let kept = match mode {
+            ContentTypes::Off => "x/custom",
+            _ => want,
+        };
+        assert_eq!(mem.content_type("old.txt").as_deref(), Some(kept), "{mode}");
+        fs.mkdir(ROOT, "d").await.unwrap();
+        let marker = match mode {
+            ContentTypes::Off => "application/octet-stream",
+            _ => "application/x-directory",
+        };
+        assert_eq!(mem.content_type("d/").as_deref(), Some(marker), "{mode}");
+    }
 }

@@ -365,8 +365,19 @@ fn user_meta(m: Option<&std::collections::HashMap<String, String>>) -> UserMeta 
         .collect()
 }
 
+/// The `x-amz-meta-*` headers of `m`: everything but its Content-Type ([`CONTENT_TYPE`]).
 fn sdk_meta(m: &UserMeta) -> Option<std::collections::HashMap<String, String>> {
-    (!m.is_empty()).then(|| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+    let h: std::collections::HashMap<String, String> = m
+        .iter()
+        .filter(|(k, _)| k.as_str() != CONTENT_TYPE)
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    (!h.is_empty()).then_some(h)
+}
+
+/// The Content-Type `m` carries.
+fn sdk_content_type(m: &UserMeta) -> Option<String> {
+    m.get(CONTENT_TYPE).cloned()
 }
 
 fn copy_source(bucket: &str, key: &str) -> String {
@@ -522,6 +533,7 @@ impl ObjectClient for AwsClient {
             .set_if_match(if_match)
             .set_if_none_match(if_none_match)
             .set_metadata(meta.and_then(sdk_meta))
+            .set_content_type(meta.and_then(sdk_content_type))
             .body(ByteStream::from(body))
             .send()
             .await
@@ -659,9 +671,11 @@ impl ObjectClient for AwsClient {
         dst: &str,
         size: u64,
         src_etag: Option<&str>,
+        content_type: Option<&str>,
     ) -> S3Result<()> {
         let source = copy_source(&self.bucket, src);
-        if size <= MAX_SINGLE_COPY {
+        if size <= MAX_SINGLE_COPY && content_type.is_none() {
+            // MetadataDirective=COPY: the user metadata and the Content-Type go along.
             self.client
                 .copy_object()
                 .bucket(&self.bucket)
@@ -673,11 +687,36 @@ impl ObjectClient for AwsClient {
                 .map_err(map_err)?;
             return Ok(());
         }
-        // Above 5 GiB S3 refuses CopyObject: copy in 512 MiB ranges with UploadPartCopy.
-        // A multipart upload does not take the source's user metadata (POSIX mode, owner,
-        // times as s3fs stores them) along by itself: it is read and given to it.
+        // A new Content-Type needs MetadataDirective=REPLACE, which replaces the user
+        // metadata (POSIX mode, owner, times as s3fs stores them) too; and above 5 GiB S3
+        // refuses CopyObject, and a multipart upload takes neither along by itself. Both
+        // are read from the source, of the version copied, and given to the copy.
+        let (head, mut meta) = self.head_object_with_meta(src).await?;
+        if let Some(want) = src_etag {
+            if head.etag.as_deref() != Some(want) {
+                return Err(S3Error::PreconditionFailed);
+            }
+        }
+        if let Some(t) = content_type {
+            meta.insert(CONTENT_TYPE.to_string(), t.to_string());
+        }
+        if size <= MAX_SINGLE_COPY {
+            self.client
+                .copy_object()
+                .bucket(&self.bucket)
+                .key(dst)
+                .copy_source(&source)
+                .set_copy_source_if_match(src_etag.map(str::to_string))
+                .metadata_directive(aws_sdk_s3::types::MetadataDirective::Replace)
+                .set_metadata(sdk_meta(&meta))
+                .set_content_type(sdk_content_type(&meta))
+                .send()
+                .await
+                .map_err(map_err)?;
+            return Ok(());
+        }
+        // Copied in 512 MiB ranges with UploadPartCopy.
         const COPY_PART: u64 = 512 * 1024 * 1024;
-        let (_, meta) = self.head_object_with_meta(src).await?;
         let upload_id = self.create_multipart_with_meta(dst, &meta).await?;
         let mut parts = Vec::new();
         let mut start = 0;
@@ -714,7 +753,11 @@ impl ObjectClient for AwsClient {
             .await
             .map_err(map_err)?;
         let meta = to_meta(out.content_length(), out.last_modified(), out.e_tag());
-        Ok((meta, user_meta(out.metadata())))
+        let mut headers = user_meta(out.metadata());
+        if let Some(t) = out.content_type() {
+            headers.insert(CONTENT_TYPE.to_string(), t.to_string());
+        }
+        Ok((meta, headers))
     }
 
     async fn create_multipart_with_meta(&self, key: &str, meta: &UserMeta) -> S3Result<String> {
@@ -724,6 +767,7 @@ impl ObjectClient for AwsClient {
             .bucket(&self.bucket)
             .key(key)
             .set_metadata(sdk_meta(meta))
+            .set_content_type(sdk_content_type(meta))
             .send()
             .await
             .map_err(map_err)?;
@@ -749,6 +793,7 @@ impl ObjectClient for AwsClient {
                 .copy_source_if_match(etag)
                 .metadata_directive(aws_sdk_s3::types::MetadataDirective::Replace)
                 .set_metadata(sdk_meta(meta))
+                .set_content_type(sdk_content_type(meta))
                 .send()
                 .await
                 .map_err(map_err)?;

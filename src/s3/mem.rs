@@ -18,6 +18,9 @@ pub struct MemClient {
     /// metadata multipart uploads will give their objects.
     user_meta: Mutex<HashMap<String, UserMeta>>,
     upload_meta: Mutex<HashMap<String, UserMeta>>,
+    /// Content-Type by key, as the metadata written gave it ([`CONTENT_TYPE`]); none: the
+    /// object was stored without one.
+    content_types: Mutex<HashMap<String, String>>,
     /// Times a metadata replacement was asked for (tests check coalescing with it).
     meta_replacements: std::sync::atomic::AtomicU64,
     /// Ranged GETs answered.
@@ -51,16 +54,31 @@ impl MemClient {
             .cloned()
             .unwrap_or_default()
     }
-    /// Stores an object with user metadata, as another client (s3fs) would.
+    /// Stores an object with user metadata (and a Content-Type under [`CONTENT_TYPE`]),
+    /// as another client (s3fs) would.
     pub fn insert_with_meta(&self, key: &str, body: impl Into<Bytes>, meta: UserMeta) {
         self.insert(key, body);
-        self.user_meta.lock().unwrap().insert(key.to_string(), meta);
+        self.set_user_meta(key, Some(meta));
+    }
+    /// The Content-Type `key` was stored with.
+    pub fn content_type(&self, key: &str) -> Option<String> {
+        self.content_types.lock().unwrap().get(key).cloned()
     }
     pub fn meta_replacements(&self) -> u64 {
         self.meta_replacements
             .load(std::sync::atomic::Ordering::SeqCst)
     }
-    fn set_user_meta(&self, key: &str, meta: Option<UserMeta>) {
+    /// Stores `meta` as what `key` carries: its Content-Type apart, the rest as its user
+    /// metadata (`None`: neither, as a write without them leaves an object).
+    fn set_user_meta(&self, key: &str, mut meta: Option<UserMeta>) {
+        let content_type = meta.as_mut().and_then(|m| m.remove(CONTENT_TYPE));
+        {
+            let mut types = self.content_types.lock().unwrap();
+            match content_type {
+                Some(t) => types.insert(key.to_string(), t),
+                None => types.remove(key),
+            };
+        }
         let mut m = self.user_meta.lock().unwrap();
         match meta.filter(|m| !m.is_empty()) {
             Some(meta) => m.insert(key.to_string(), meta),
@@ -319,6 +337,7 @@ impl ObjectClient for MemClient {
         dst: &str,
         _size: u64,
         src_etag: Option<&str>,
+        content_type: Option<&str>,
     ) -> S3Result<()> {
         if let Some(want) = src_etag {
             if self.head_object(src).await?.etag.as_deref() != Some(want) {
@@ -326,8 +345,15 @@ impl ObjectClient for MemClient {
             }
         }
         let body = self.get(src).ok_or(S3Error::NotFound)?;
-        // CopyObject keeps the source's metadata (MetadataDirective=COPY).
-        let meta = self.user_meta(src);
+        // CopyObject keeps the source's metadata (MetadataDirective=COPY); a new
+        // Content-Type replaces only that (REPLACE with the source's user metadata).
+        let mut meta = self.user_meta(src);
+        if let Some(t) = content_type
+            .map(str::to_string)
+            .or_else(|| self.content_type(src))
+        {
+            meta.insert(CONTENT_TYPE.to_string(), t);
+        }
         self.put_object(dst, body).await?;
         self.set_user_meta(dst, Some(meta));
         Ok(())
@@ -341,7 +367,11 @@ impl ObjectClient for MemClient {
 
     async fn head_object_with_meta(&self, key: &str) -> S3Result<(ObjectMeta, UserMeta)> {
         let meta = self.head_object(key).await?;
-        Ok((meta, self.user_meta(key)))
+        let mut headers = self.user_meta(key);
+        if let Some(t) = self.content_type(key) {
+            headers.insert(CONTENT_TYPE.to_string(), t);
+        }
+        Ok((meta, headers))
     }
 
     async fn create_multipart_with_meta(&self, key: &str, meta: &UserMeta) -> S3Result<String> {

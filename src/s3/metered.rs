@@ -274,10 +274,12 @@ impl ObjectClient for MeteredClient {
         dst: &str,
         size: u64,
         src_etag: Option<&str>,
+        content_type: Option<&str>,
     ) -> S3Result<()> {
         self.timed(
             "CopyObject",
-            self.inner.copy_object_if(src, dst, size, src_etag),
+            self.inner
+                .copy_object_if(src, dst, size, src_etag, content_type),
         )
         .await
     }

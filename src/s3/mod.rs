@@ -53,8 +53,16 @@ impl S3Error {
 pub type S3Result<T> = Result<T, S3Error>;
 
 /// An object's user metadata: its `x-amz-meta-*` headers, names lower-case and without
-/// that prefix (`mode`, `uid`, ... as s3fs writes them, see `fs::meta`).
+/// that prefix (`mode`, `uid`, ... as s3fs writes them, see `fs::meta`), and its
+/// Content-Type under the name [`CONTENT_TYPE`]: HEAD returns it there, and PutObject,
+/// CreateMultipartUpload and `replace_metadata` send it as the object's Content-Type, so
+/// the type travels (and is kept) wherever the rest of the metadata does.
 pub type UserMeta = std::collections::BTreeMap<String, String>;
+
+/// The name under which a [`UserMeta`] carries the object's Content-Type. No header can
+/// have it (`:` is not allowed in a header name), so no user metadata clashes with it; a
+/// client sends it as `Content-Type`, never as `x-amz-meta-*`.
+pub const CONTENT_TYPE: &str = ":content-type";
 
 /// Metadata of one object, from HeadObject or a listing.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -196,17 +204,21 @@ pub trait ObjectClient: Send + Sync + 'static {
         end: u64,
     ) -> S3Result<CompletedPart>;
     /// Copy `src` onto `dst` within the bucket; `size` picks single or multipart copy.
+    /// The copy keeps the source's user metadata and Content-Type.
     async fn copy_object(&self, src: &str, dst: &str, size: u64) -> S3Result<()> {
-        self.copy_object_if(src, dst, size, None).await
+        self.copy_object_if(src, dst, size, None, None).await
     }
     /// The same, only from the version of `src` whose ETag is `src_etag` when given
     /// (`x-amz-copy-source-if-match`): `PreconditionFailed` once `src` holds another.
+    /// With `content_type`, the copy gets that Content-Type and the source's user metadata
+    /// (read by a HEAD, then a copy with `MetadataDirective=REPLACE`).
     async fn copy_object_if(
         &self,
         src: &str,
         dst: &str,
         size: u64,
         src_etag: Option<&str>,
+        content_type: Option<&str>,
     ) -> S3Result<()>;
     async fn delete_object(&self, key: &str) -> S3Result<()>;
 
@@ -233,7 +245,8 @@ pub trait ObjectClient: Send + Sync + 'static {
     }
     /// Replaces the user metadata of the version `etag` (`size` bytes) of `key`: a copy
     /// onto itself with `MetadataDirective=REPLACE` and `x-amz-copy-source-if-match`, part
-    /// by part above 5 GiB. `PreconditionFailed` once the key holds another version, so a
+    /// by part above 5 GiB. The object's Content-Type becomes `meta`'s [`CONTENT_TYPE`]
+    /// (REPLACE replaces it too: without one, the store picks its default). `PreconditionFailed` once the key holds another version, so a
     /// metadata update never resurrects data another client replaced.
     async fn replace_metadata(
         &self,

@@ -448,3 +448,33 @@ fn cp_a_and_git_clone_keep_symlinks_modes_and_times() {
         0
     );
 }
+
+#[test]
+fn names_longer_than_255_bytes_from_other_clients_are_listed_read_and_removed() {
+    let bucket = new_bucket("meta-longname");
+    let c = client(&bucket);
+    let long = "n".repeat(300);
+    runtime()
+        .block_on(c.put_object(&format!("d/{long}"), bytes::Bytes::from_static(b"long")))
+        .unwrap();
+    let m = Mount::start(&bucket, &[]);
+    let listed = sh(&m.path("d"), "ls");
+    assert_eq!(listed.trim(), long);
+    assert_eq!(fs::read(m.path("d").join(&long)).unwrap(), b"long");
+    fs::remove_file(m.path("d").join(&long)).unwrap();
+    // (A DELETE may be sent in the background: see deferred_delete.rs.)
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while runtime()
+        .block_on(c.head_object(&format!("d/{long}")))
+        .is_ok()
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the object is still there"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Names this mount creates keep NAME_MAX.
+    let err = fs::write(m.path("d").join(&long), b"x").unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::ENAMETOOLONG));
+}
