@@ -82,6 +82,11 @@ pub struct Inode {
     /// 2 more; exact while `complete_as_of` says all children are known). Kept by `bind`
     /// and `unbind_name`, nowhere else.
     pub subdirs: u32,
+    /// For directories that older s3fs versions, Hadoop or a console made: the key of the
+    /// object that marks it instead of `key` (a zero-byte `dir` of type
+    /// `application/x-directory`, or `dir_$folder$`). Its metadata is the directory's;
+    /// the first change replaces it with a marker `dir/`, and `rmdir` removes it.
+    pub legacy_marker: Option<String>,
 }
 
 impl Inode {
@@ -105,6 +110,11 @@ impl Inode {
         } else if self.meta_stamp.map(whole_seconds) != Some(whole_seconds(mtime)) {
             self.meta = None;
         }
+    }
+
+    /// The object whose HEAD tells this inode's metadata.
+    pub fn meta_key(&self) -> &str {
+        self.legacy_marker.as_deref().unwrap_or(&self.key)
     }
 
     pub fn child_key(&self, name: &str, kind: Kind) -> String {
@@ -170,6 +180,7 @@ impl InodeTable {
             renamed_at: None,
             entries_changed_at: None,
             subdirs: 0,
+            legacy_marker: None,
         };
         Self {
             by_ino: HashMap::from([(ROOT_INO, Box::new(root))]),
@@ -223,6 +234,7 @@ impl InodeTable {
                     renamed_at: None,
                     entries_changed_at: None,
                     subdirs: 0,
+                    legacy_marker: None,
                 }),
             );
             self.bind(b.parent, b.name(), b.ino);
@@ -380,6 +392,14 @@ impl InodeTable {
         let now = Instant::now();
         if let Some(existing) = self.bound(parent, name) {
             if let Some(inode) = self.by_ino.get_mut(&existing) {
+                // The zero-byte object that marks a directory, listed again.
+                if kind == Kind::File
+                    && inode.kind == Kind::Dir
+                    && inode.legacy_marker.as_deref() == inode.key.strip_suffix('/')
+                {
+                    inode.validated = Some(now);
+                    return existing;
+                }
                 if inode.kind == kind {
                     // A writer's size and a local-only file (an empty new one whose PUT is
                     // under way, see `S3Fs::defer_empty`) are ours to report, not S3's.
@@ -394,7 +414,7 @@ impl InodeTable {
                         }
                     }
                     inode.validated = Some(now);
-                    return existing;
+                    return self.settle_legacy_dir(existing);
                 }
             }
         }
@@ -440,6 +460,7 @@ impl InodeTable {
                 renamed_at: None,
                 entries_changed_at: None,
                 subdirs: 0,
+                legacy_marker: None,
             }),
         );
         if let Some(i) = self.by_ino.get_mut(&ino) {
@@ -447,7 +468,7 @@ impl InodeTable {
         }
         self.bind(parent, name, ino);
         self.evictable.push_back(ino);
-        ino
+        self.settle_legacy_dir(ino)
     }
 
     /// Takes the metadata S3 returned for `ino`'s version (HEAD: its user metadata and
@@ -482,6 +503,36 @@ impl InodeTable {
         if let (Kind::File, Some(etag), Some(meta)) = (i.kind, i.etag.as_deref(), &i.meta) {
             self.known.remember(&i.key, etag, stamp, meta.clone());
         }
+        self.settle_legacy_dir(ino);
+    }
+
+    /// If file `ino` is in truth an older s3fs directory object (zero bytes, its metadata
+    /// says directory: see `PosixMeta::marks_directory`), binds its name to a directory
+    /// marked by it instead, with its metadata. The inode now bound at its name.
+    fn settle_legacy_dir(&mut self, ino: u64) -> u64 {
+        let Some(i) = self.by_ino.get(&ino) else {
+            return ino;
+        };
+        let legacy = i.kind == Kind::File
+            && i.size == 0
+            && !i.being_written()
+            && !i.local_only
+            && i.meta.as_ref().is_some_and(|m| m.marks_directory());
+        if !legacy || self.bound(i.parent, &i.name) != Some(ino) {
+            return ino;
+        }
+        let (parent, name, key, mtime) = (i.parent, i.name.clone(), i.key.clone(), i.mtime);
+        let meta = i.meta.clone();
+        let stamp = i.meta_stamp;
+        let dir = self.upsert(parent, &name, Kind::Dir, 0, mtime, None);
+        if let Some(d) = self.by_ino.get_mut(&dir) {
+            d.legacy_marker = Some(key);
+            if d.meta_changes == d.meta_saved {
+                d.meta = meta;
+                d.meta_stamp = stamp;
+            }
+        }
+        dir
     }
 
     /// Keeps the metadata of the versions read from now on in `path` too, and knows those

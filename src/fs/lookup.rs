@@ -14,7 +14,14 @@ impl S3Fs {
         &self,
         parent_key: &str,
         name: &str,
-    ) -> FsResult<Option<(Kind, crate::s3::ObjectMeta, Option<UserMeta>)>> {
+    ) -> FsResult<
+        Option<(
+            Kind,
+            crate::s3::ObjectMeta,
+            Option<UserMeta>,
+            Option<String>,
+        )>,
+    > {
         let file_key = format!("{parent_key}{name}");
         if file_key.len() + 1 > MAX_KEY_LEN {
             return Err(FsError::NameTooLong);
@@ -41,7 +48,16 @@ impl S3Fs {
                 Err(e) => Err(e),
             }
         };
-        let (head, list, marker) = tokio::join!(
+        // The `dir_$folder$` object older s3fs versions and Hadoop mark a directory with
+        // (s3fs asks for it too); goes along with the marker's HEAD, same round trip.
+        let folder_key = format!("{file_key}{}", super::readdir::FOLDER_SUFFIX);
+        let folder = async {
+            if !with_meta {
+                return None;
+            }
+            self.client.head_object(&folder_key).await.ok()
+        };
+        let (head, list, marker, folder) = tokio::join!(
             head,
             self.client.list(ListRequest {
                 prefix: &dir_prefix,
@@ -49,19 +65,24 @@ impl S3Fs {
                 continuation: None,
                 max_keys: 1,
             }),
-            marker
+            marker,
+            folder
         );
         let list = list?;
+        let dir_meta = crate::s3::ObjectMeta {
+            size: 0,
+            mtime: self.mount_time,
+            etag: None,
+        };
+        let legacy = folder.map(|_| folder_key);
         if !list.objects.is_empty() || !list.prefixes.is_empty() {
-            let meta = crate::s3::ObjectMeta {
-                size: 0,
-                mtime: self.mount_time,
-                etag: None,
-            };
-            return Ok(Some((Kind::Dir, meta, marker?)));
+            return Ok(Some((Kind::Dir, dir_meta, marker?, legacy)));
         }
         match head {
-            Ok((meta, h)) => Ok(Some((Kind::File, meta, h))),
+            Ok((meta, h)) => Ok(Some((Kind::File, meta, h, None))),
+            Err(S3Error::NotFound) if legacy.is_some() => {
+                Ok(Some((Kind::Dir, dir_meta, marker?, legacy)))
+            }
             Err(S3Error::NotFound) => Ok(None),
             Err(e) => Err(e.into()),
         }
@@ -125,6 +146,12 @@ impl S3Fs {
             else {
                 continue;
             };
+            // The HEAD may have shown an older s3fs directory object: the name is bound
+            // to that directory now (see `InodeTable::settle_legacy_dir`).
+            let child = match t.child(parent, name) {
+                Some(bound) if bound.kind != child.kind => bound,
+                _ => child,
+            };
             let attr = self.attr_of(child);
             if kernel_ref {
                 t.add_lookup(attr.ino);
@@ -133,7 +160,7 @@ impl S3Fs {
         }
         self.list_ahead(&parent_inode);
         match self.probe(&parent_inode.key, name).await? {
-            Some((kind, meta, headers)) => {
+            Some((kind, meta, headers, legacy)) => {
                 let mut t = self.inodes();
                 // A writer that appeared meanwhile wins over what S3 said.
                 if let Some(child) = t.child(parent, name) {
@@ -147,9 +174,14 @@ impl S3Fs {
                 }
                 let mtime = meta.mtime;
                 let ino = t.upsert(parent, name, kind, meta.size, meta.mtime, meta.etag);
+                if let (Some(legacy), Some(i)) = (legacy, t.get_mut(ino)) {
+                    i.legacy_marker = Some(legacy);
+                }
                 if let Some(h) = headers {
                     t.set_meta(ino, &h, mtime);
                 }
+                // An older s3fs directory object is bound as its directory now.
+                let ino = t.child(parent, name).map_or(ino, |c| c.ino);
                 if kernel_ref {
                     t.add_lookup(ino);
                 }

@@ -170,6 +170,17 @@ impl PosixMeta {
         self.mode.and_then(NodeType::from_mode)
     }
 
+    /// True for what older s3fs versions stored as a directory: an object `dir` (no
+    /// slash) of type `application/x-directory`, or whose mode says S_IFDIR.
+    pub fn marks_directory(&self) -> bool {
+        let typed = self.content_type.as_deref().is_some_and(|t| {
+            t.split(';')
+                .next()
+                .is_some_and(|t| t.trim().eq_ignore_ascii_case("application/x-directory"))
+        });
+        typed || self.node_type() == Some(NodeType::Dir)
+    }
+
     /// Permission bits (incl. setuid/setgid/sticky), if stored.
     pub fn perm(&self) -> Option<u16> {
         self.mode.map(|m| (m & 0o7777) as u16)

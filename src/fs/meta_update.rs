@@ -69,7 +69,7 @@ fn store_head(
     mount_time: SystemTime,
 ) {
     let mut t = lock(inodes);
-    let Some(i) = t.get_mut(ino).filter(|i| i.key == key) else {
+    let Some(i) = t.get_mut(ino).filter(|i| i.meta_key() == key) else {
         if let (Kind::File, Ok((m, h))) = (kind, &res) {
             if let Some(etag) = &m.etag {
                 t.remember_version(key, etag, h, m.mtime);
@@ -91,6 +91,8 @@ fn store_head(
         }
         // An implicit directory: no marker, no metadata.
         Err(S3Error::NotFound) if kind == Kind::Dir => {
+            // (An old-style marker removed by another client leaves it implicit too.)
+            i.legacy_marker = None;
             t.set_meta(ino, &UserMeta::new(), mount_time)
         }
         // Deleted since the listing: the next lookup asks S3 again.
@@ -572,7 +574,7 @@ impl Saver {
         if let Some(done) = done {
             drop(done.lock().await);
         }
-        let (key, kind, etag, size, headers, change) = {
+        let (key, kind, etag, size, headers, change, legacy) = {
             let t = lock(&self.inodes);
             let Some(i) = t.get(ino) else {
                 return Ok(());
@@ -591,16 +593,33 @@ impl Saver {
                 i.size,
                 headers,
                 i.meta_changes,
+                i.legacy_marker.clone(),
             )
         };
         let result = match kind {
             // A marker is empty: writing it anew is the copy, and creates it for an
             // implicit directory.
-            Kind::Dir => self
-                .client
-                .put_object_with_meta(&key, Bytes::new(), &headers)
-                .await
-                .map(|m| m.etag),
+            Kind::Dir => {
+                let put = self
+                    .client
+                    .put_object_with_meta(&key, Bytes::new(), &headers)
+                    .await
+                    .map(|m| m.etag);
+                // The marker `dir/` replaces an older s3fs directory object: removed once
+                // the marker holds the metadata, so the directory never lacks both.
+                if let (Ok(_), Some(legacy)) = (&put, &legacy) {
+                    match self.client.delete_object(legacy).await {
+                        Ok(()) => {
+                            if let Some(i) = lock(&self.inodes).get_mut(ino) {
+                                i.legacy_marker = None;
+                            }
+                        }
+                        Err(e) => tracing::warn!(key = %legacy, error = %e,
+                            "could not remove an old-style directory object after writing its marker"),
+                    }
+                }
+                put
+            }
             Kind::File => {
                 let etag = match etag {
                     Some(e) => Ok(e),

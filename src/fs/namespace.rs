@@ -74,6 +74,32 @@ impl S3Fs {
                 max_keys: 2,
             })
             .await?;
+        let legacy = self
+            .inodes()
+            .child(parent, name)
+            .and_then(|c| c.legacy_marker.clone());
+        if let Some(legacy) = legacy {
+            // An older s3fs directory object marks it (a marker `dir/` may exist too).
+            let local_children = {
+                let t = self.inodes();
+                t.child(parent, name).is_some_and(|d| {
+                    t.children_of(d.ino)
+                        .any(|c| c.local_only || c.being_written())
+                })
+            };
+            if page.objects.iter().any(|o| o.key != key)
+                || !page.prefixes.is_empty()
+                || local_children
+            {
+                return Err(FsError::NotEmpty);
+            }
+            if !page.objects.is_empty() {
+                self.deletes.delete_now(&key).await?;
+            }
+            self.deletes.delete_now(&legacy).await?;
+            self.inodes().remove_here(parent, name);
+            return Ok(());
+        }
         if page.objects.is_empty() && page.prefixes.is_empty() {
             if self.probe(&p.key, name).await?.is_some() {
                 return Err(FsError::NotDir);
@@ -107,6 +133,27 @@ impl S3Fs {
         }
         self.client.delete_object(&key).await?;
         self.inodes().remove_here(parent, name);
+        Ok(())
+    }
+
+    /// Replaces the older s3fs object that marks directory `ino` (if one does) with a
+    /// marker `dir/` carrying the same metadata: a PUT, then a DELETE of the old object.
+    async fn retire_legacy_marker(&self, ino: u64) -> FsResult<()> {
+        let Some((key, legacy, headers)) = self.inodes().get(ino).and_then(|i| {
+            let legacy = i.legacy_marker.clone()?;
+            let headers = i.meta.as_ref().map(|m| m.to_headers()).unwrap_or_default();
+            Some((i.key.clone(), legacy, headers))
+        }) else {
+            return Ok(());
+        };
+        let headers = self.typed(headers, &key);
+        self.client
+            .put_object_with_meta(&key, Bytes::new(), &headers)
+            .await?;
+        self.deletes.delete_now(&legacy).await?;
+        if let Some(i) = self.inodes().get_mut(ino) {
+            i.legacy_marker = None;
+        }
         Ok(())
     }
 
@@ -329,6 +376,9 @@ impl S3Fs {
             Err(FsError::NotFound) => {}
             Err(e) => return Err(e),
         }
+        // An older s3fs directory object is not under the prefix the copies take: a
+        // marker replaces it first, and moves with the rest.
+        self.retire_legacy_marker(src.ino).await?;
         // Files under it whose empty PUT is under way must be in S3 to be copied, and so
         // must edits kept for write-back; files being written cannot move.
         let kept: Vec<u64> = {

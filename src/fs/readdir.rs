@@ -32,38 +32,66 @@ pub(super) struct ListedEntry {
     pub(super) size: u64,
     pub(super) mtime: SystemTime,
     pub(super) etag: Option<String>,
+    /// A directory marked by an older form of marker (see `Inode::legacy_marker`).
+    pub(super) legacy_marker: Option<String>,
 }
 
+/// What older s3fs versions, Hadoop and some consoles mark a directory `dir` with.
+pub(super) const FOLDER_SUFFIX: &str = "_$folder$";
+
 /// The children one LIST page of `dir_key` shows, sorted by name: common prefixes are
-/// directories, a file with the same name as a directory is hidden by it, the directory's
-/// own marker and names that are not a single valid path component are skipped.
+/// directories, and so are `name_$folder$` objects; a file with the same name as a
+/// directory is hidden by it, the directory's own marker and names that are not a single
+/// valid path component are skipped. (A zero-byte `name` of type
+/// `application/x-directory`, the other old form, is a file until a HEAD tells its type:
+/// LIST does not, see `meta_update::store_head`.)
 pub(super) fn page_entries(
     dir_key: &str,
     page: &ListPage,
     dir_mtime: SystemTime,
 ) -> Vec<ListedEntry> {
-    let dir_names: HashSet<&str> = page
+    let mut dirs: HashMap<&str, Option<String>> = page
         .prefixes
         .iter()
         .filter_map(|p| p.strip_prefix(dir_key))
-        .map(|p| p.trim_end_matches('/'))
+        .map(|p| (p.trim_end_matches('/'), None))
         .collect();
-    let dirs = dir_names.iter().map(|name| ListedEntry {
+    for o in &page.objects {
+        let folder = o
+            .key
+            .strip_prefix(dir_key)
+            .and_then(|n| n.strip_suffix(FOLDER_SUFFIX));
+        if let Some(name) = folder.filter(|n| !n.is_empty()) {
+            dirs.entry(name)
+                .or_default()
+                .get_or_insert_with(|| o.key.clone());
+        }
+    }
+    let files: Vec<ListedEntry> = page
+        .objects
+        .iter()
+        .filter_map(|o| {
+            let name = o.key.strip_prefix(dir_key)?;
+            let folder = name
+                .strip_suffix(FOLDER_SUFFIX)
+                .is_some_and(|n| !n.is_empty());
+            (!dirs.contains_key(name) && !folder).then(|| ListedEntry {
+                kind: Kind::File,
+                name: name.to_string(),
+                size: o.meta.size,
+                mtime: o.meta.mtime,
+                etag: o.meta.etag.clone(),
+                legacy_marker: None,
+            })
+        })
+        .collect();
+    let dirs = dirs.into_iter().map(|(name, legacy_marker)| ListedEntry {
         kind: Kind::Dir,
         name: name.to_string(),
         size: 0,
         mtime: dir_mtime,
         etag: None,
-    });
-    let files = page.objects.iter().filter_map(|o| {
-        let name = o.key.strip_prefix(dir_key)?;
-        (!dir_names.contains(name)).then(|| ListedEntry {
-            kind: Kind::File,
-            name: name.to_string(),
-            size: o.meta.size,
-            mtime: o.meta.mtime,
-            etag: o.meta.etag.clone(),
-        })
+        legacy_marker,
     });
     let mut entries: Vec<ListedEntry> = dirs
         .chain(files)
@@ -71,6 +99,15 @@ pub(super) fn page_entries(
         .collect();
     entries.sort_by(|a, b| a.name.cmp(&b.name));
     entries
+}
+
+/// Binds a listed entry under `dir` (see `InodeTable::upsert`); 0 if it could not be.
+fn upsert_listed(t: &mut InodeTable, dir: u64, e: &ListedEntry) -> u64 {
+    let ino = t.upsert(dir, &e.name, e.kind, e.size, e.mtime, e.etag.clone());
+    if let (Some(legacy), Some(i)) = (&e.legacy_marker, t.get_mut(ino)) {
+        i.legacy_marker.get_or_insert_with(|| legacy.clone());
+    }
+    ino
 }
 
 /// Puts one LIST page of directory `dir` (key `dir_key`) fetched in the background into
@@ -94,12 +131,12 @@ pub(super) fn absorb_background_page(
         .into_iter()
         .filter_map(|e| {
             let child = if whole {
-                t.upsert(dir, &e.name, e.kind, e.size, e.mtime, e.etag)
+                upsert_listed(&mut t, dir, &e)
             } else {
                 t.confirm(dir, &e.name, e.kind, e.size, e.mtime, e.etag)?
             };
             let c = t.get(child).filter(|c| with_meta && unknown_meta(c))?;
-            Some((c.ino, c.key.clone(), c.kind))
+            Some((c.ino, c.meta_key().to_string(), c.kind))
         })
         .collect();
     (heads, whole)
@@ -280,8 +317,11 @@ impl S3Fs {
                         mtime: e.mtime,
                         etag: e.etag.clone(),
                     };
-                    let ino = t.upsert(d.ino, &e.name, e.kind, e.size, e.mtime, e.etag);
-                    (ino, e.kind, e.name, version)
+                    let ino = upsert_listed(&mut t, d.ino, &e);
+                    // What the table made of it (an old s3fs directory object is a file
+                    // to LIST).
+                    let kind = t.get(ino).map_or(e.kind, |i| i.kind);
+                    (ino, kind, e.name, version)
                 })
                 .filter(|(ino, _, _, _)| *ino != 0)
                 .collect()

@@ -174,7 +174,7 @@ impl S3Fs {
         inos.iter()
             .filter_map(|ino| t.get(*ino))
             .filter(|i| self.needs_meta(i))
-            .map(|i| (i.ino, i.key.clone(), i.kind))
+            .map(|i| (i.ino, i.meta_key().to_string(), i.kind))
             .collect()
     }
 

@@ -166,6 +166,7 @@ on_both_stores!(
     xattrs_round_trip_in_s3fs_encoding,
     content_types_are_inferred_and_kept,
     names_longer_than_255_bytes_written_elsewhere_are_listed_opened_and_removed,
+    older_s3fs_directory_objects_are_directories,
 );
 
 const ROOT: u64 = inode::ROOT_INO;
@@ -1719,4 +1720,112 @@ async fn content_type_off_and_fixed() {
         };
         assert_eq!(mem.content_type("d/").as_deref(), Some(marker), "{mode}");
     }
+}
+
+/// Issue 40.3: the directory objects older s3fs versions, Hadoop and consoles write.
+async fn older_s3fs_directory_objects_are_directories(store: Store) {
+    use meta_update::SetAttrs;
+    let ct = crate::s3::CONTENT_TYPE;
+    let old_dir = [
+        (ct, "application/x-directory"),
+        ("mode", "16877"),
+        ("uid", "7"),
+    ];
+    store.put_meta("old", "", &old_dir).await;
+    store.put("old/inside", "x").await;
+    store.put_meta("empty", "", &old_dir).await;
+    store.put_meta("direct", "", &old_dir).await;
+    store.put("hadoop_$folder$", "").await;
+    store.put("hadoop2_$folder$", "").await;
+    store.put("hadoop2/f", "y").await;
+    store.put("plain", "").await;
+    let fs = fs_with_store(&store, "");
+    let listed = names(&fs, ROOT).await;
+    for name in ["old", "empty", "direct", "hadoop", "hadoop2", "plain"] {
+        assert!(listed.contains(&name.to_string()), "{name} in {listed:?}");
+    }
+    assert!(!listed.iter().any(|n| n.contains("$folder$")), "{listed:?}");
+    for name in ["old", "empty", "hadoop", "hadoop2"] {
+        let a = fs.lookup(ROOT, name).await.unwrap();
+        assert_eq!(a.kind, Kind::Dir, "{name}");
+    }
+    assert_eq!(fs.lookup(ROOT, "plain").await.unwrap().kind, Kind::File);
+    let old = fs.lookup(ROOT, "old").await.unwrap();
+    let empty = fs.lookup(ROOT, "empty").await.unwrap();
+    assert_eq!(
+        (empty.uid, empty.perm),
+        (7, 0o755),
+        "the old object's metadata"
+    );
+    assert_eq!(names(&fs, old.ino).await, [".", "..", "inside"]);
+    // Listed again: still the same directory.
+    names(&fs, ROOT).await;
+    assert_eq!(fs.lookup(ROOT, "old").await.unwrap().ino, old.ino);
+    // A change of its metadata writes the marker `dir/` in place of the old object.
+    let chmod = SetAttrs {
+        mode: Some(0o700),
+        ..Default::default()
+    };
+    fs.set_attrs(empty.ino, chmod).await.unwrap();
+    fs.fsync_meta_for_tests(empty.ino).await;
+    let keys = store.keys().await;
+    assert!(
+        keys.contains(&"empty/".to_string()) && !keys.contains(&"empty".to_string()),
+        "{keys:?}"
+    );
+    assert_eq!(store.meta("empty/").await["uid"], "7");
+    // rmdir removes whichever form marks it; a non-empty one is refused.
+    assert!(matches!(
+        fs.rmdir(ROOT, "old").await,
+        Err(FsError::NotEmpty)
+    ));
+    fs.rmdir(ROOT, "hadoop").await.unwrap();
+    fs.rmdir(ROOT, "empty").await.unwrap();
+
+    // A rename moves the directory, its old marker replaced by a marker.
+    fs.rename(ROOT, "hadoop2", ROOT, "moved", false)
+        .await
+        .unwrap();
+    // rmdir's DELETE is deferred (as every unlink's is): wait for it.
+    assert_eq!(fs.flush_all().await, 0);
+    let keys = store.keys().await;
+    for gone in [
+        "hadoop_$folder$",
+        "hadoop2_$folder$",
+        "hadoop2/f",
+        "empty",
+        "empty/",
+    ] {
+        assert!(
+            !keys.contains(&gone.to_string()),
+            "{gone} still in {keys:?}"
+        );
+    }
+    assert!(keys.contains(&"moved/f".to_string()), "{keys:?}");
+    // A lookup that no listing preceded (HEAD + LIST + HEAD of the marker) sees it too.
+    let fresh = fs_with_store(&store, "");
+    let direct = fresh.lookup(ROOT, "direct").await.unwrap();
+    assert_eq!(direct.kind, Kind::Dir);
+    fresh.rmdir(ROOT, "direct").await.unwrap();
+    assert_eq!(fresh.flush_all().await, 0);
+    assert!(!store.keys().await.contains(&"direct".to_string()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_directory_removed_right_after_its_chmod_stays_removed() {
+    use meta_update::SetAttrs;
+    let store = Store::mem();
+    store.put("e/", "").await;
+    let fs = fs_with_store(&store, "");
+    let e = fs.lookup(ROOT, "e").await.unwrap();
+    let chmod = SetAttrs {
+        mode: Some(0o700),
+        ..Default::default()
+    };
+    fs.set_attrs(e.ino, chmod).await.unwrap();
+    fs.fsync_meta_for_tests(e.ino).await;
+    fs.rmdir(ROOT, "e").await.unwrap();
+    assert_eq!(fs.flush_all().await, 0);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(store.keys().await, Vec::<String>::new());
 }

@@ -478,3 +478,39 @@ fn names_longer_than_255_bytes_from_other_clients_are_listed_read_and_removed() 
     let err = fs::write(m.path("d").join(&long), b"x").unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::ENAMETOOLONG));
 }
+
+/// Issue 40.3, through a real mount on moto: what older s3fs versions and Hadoop wrote.
+#[test]
+fn older_s3fs_and_hadoop_directory_objects_are_directories() {
+    let bucket = new_bucket("meta-olddirs");
+    let c = client(&bucket);
+    let h: s3csi::s3::UserMeta = [
+        (s3csi::s3::CONTENT_TYPE, "application/x-directory"),
+        ("mode", "16877"),
+    ]
+    .iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    let rt = runtime();
+    rt.block_on(c.put_object_with_meta("old", bytes::Bytes::new(), &h))
+        .unwrap();
+    rt.block_on(c.put_object("hadoop_$folder$", bytes::Bytes::new()))
+        .unwrap();
+    let m = Mount::start(&bucket, &[]);
+    assert_eq!(
+        sh(&m.dir, "stat -c %F old hadoop").trim(),
+        "directory\ndirectory"
+    );
+    assert_eq!(sh(&m.dir, "ls -p").trim(), "hadoop/\nold/");
+    sh(&m.dir, "touch old/f && rmdir hadoop");
+    assert_eq!(sh(&m.path("old"), "ls").trim(), "f");
+    sh(&m.dir, "rm old/f && rmdir old");
+    // (DELETEs may be sent in the background: see deferred_delete.rs.)
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    for key in ["old", "hadoop_$folder$"] {
+        while rt.block_on(c.head_object(key)).is_ok() {
+            assert!(std::time::Instant::now() < deadline, "{key} is still there");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
