@@ -357,6 +357,11 @@ mod tests {
             source: "bucket".into(),
             args: vec![],
         };
+        // Its command line reads empty for a moment after spawn (seen under load).
+        let settled = Instant::now() + Duration::from_secs(5);
+        while !is_our_mounter(record.pid, &target) && Instant::now() < settled {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         let backend = ProcessBackend::new("/nonexistent".into(), std::env::temp_dir());
         let (m, alive) = backend.adopt(&record);
         assert!(alive, "a live mounter of this target");
