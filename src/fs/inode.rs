@@ -313,6 +313,13 @@ impl InodeTable {
         self.children.get(&parent)?.get(name).copied()
     }
 
+    /// Whether a name still leads to `ino` (false once it was unlinked or replaced).
+    pub fn is_bound(&self, ino: u64) -> bool {
+        self.by_ino
+            .get(&ino)
+            .is_some_and(|i| ino == ROOT_INO || self.bound(i.parent, &i.name) == Some(ino))
+    }
+
     /// Binds `name` in `parent` to `ino`; returns the inode bound to it before.
     fn bind(&mut self, parent: u64, name: &str, ino: u64) -> Option<u64> {
         let before = self

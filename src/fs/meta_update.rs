@@ -583,6 +583,10 @@ impl Saver {
                 // Saved already, or the upload under way takes it along.
                 return Ok(());
             }
+            if !t.is_bound(ino) {
+                // Unlinked or replaced while open (`keep_while_open`): no object is its own.
+                return Ok(());
+            }
             let headers = i.meta.as_ref().map(|m| m.to_headers()).unwrap_or_default();
             // The copy replaces the Content-Type as well: the stored one goes with it.
             let headers = with_content_type(&self.content_type, headers, &i.key);

@@ -187,7 +187,11 @@ impl S3Fs {
             .child(parent, name)
             .cloned()
             .ok_or(FsError::NotFound)?;
-        self.abandon_writes(&child).await;
+        let kept = child.open_handles > 0 && self.keep_while_open(child.ino).await;
+        let child = self.inode(child.ino)?;
+        if !kept {
+            self.abandon_writes(&child).await;
+        }
         if !child.local_only {
             self.client
                 .delete_object(&format!("{}{}", p.key, name))
@@ -195,6 +199,29 @@ impl S3Fs {
         }
         self.inodes().remove_here(parent, name);
         Ok(())
+    }
+
+    /// `ino` is unlinked while open: as on a local disk, its descriptors go on reading
+    /// and writing it until the last close. The file becomes its staged copy with every
+    /// byte fetched (a stream being written moves there, or completes first if it had sent
+    /// parts), which is never committed and goes at the last close. False where it could
+    /// not be kept (the bytes do not fit under `--cache-size`, no staging area, an S3
+    /// error): the descriptors then lose the data, as before.
+    async fn keep_while_open(&self, ino: u64) -> bool {
+        let kept = match self.stage_inode(ino, edit::NO_HANDLE).await {
+            Ok(s) => s.lock().await.keep_unlinked(&self.client).await,
+            Err(e) => Err(e),
+        };
+        match kept {
+            Ok(()) => true,
+            Err(e) => {
+                let key = self.inode(ino).map(|i| i.key).unwrap_or_default();
+                tracing::warn!(key = %key, error = %e,
+                    "a file unlinked while open could not be kept for its descriptors; \
+                     their reads and writes fail from now on");
+                false
+            }
+        }
     }
 
     /// `i` is unlinked or replaced while it may be open for writing: what its descriptors
@@ -292,15 +319,20 @@ impl S3Fs {
                     "rename onto a file whose kept edit cannot be uploaded",
                 ));
             }
-            let writing = self
+            let open = self
                 .inodes()
                 .get(a.ino)
-                .filter(|a| a.being_written())
+                .filter(|a| a.open_handles > 0 || a.being_written())
                 .cloned();
-            if let Some(a) = writing {
-                // Its descriptors now write to a file no name leads to, as after an
-                // unlink: before the copy, so that none of their commits lands after it.
-                self.abandon_writes(&a).await;
+            if let Some(a) = open {
+                // Its descriptors keep the replaced file, as after an unlink: kept (or
+                // abandoned) before the copy, so that none of their commits lands after it.
+                let kept = a.open_handles > 0 && self.keep_while_open(a.ino).await;
+                if !kept {
+                    // As it is now: a failed keep may have staged it.
+                    let a = self.inode(a.ino)?;
+                    self.abandon_writes(&a).await;
+                }
             }
         }
         // The copy takes the object's metadata along: a pending change goes first.

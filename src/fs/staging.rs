@@ -448,7 +448,7 @@ impl StagedFile {
 
     /// The sidecar says "dirty" before the first uncommitted byte is acknowledged.
     fn mark_dirty(&mut self) -> FsResult<()> {
-        if self.sidecar_clean {
+        if self.sidecar_clean && !self.discarded {
             self.save_sidecar(false, false, false)?;
         }
         Ok(())
@@ -508,6 +508,20 @@ impl StagedFile {
 
     pub fn discard(&mut self) {
         self.discarded = true;
+    }
+
+    /// The object is about to be deleted while descriptors still use this copy (unlink
+    /// of an open file): every byte of the version it builds on is fetched first, so that
+    /// the local file alone is the file from now on (ENOSPC where the bytes do not fit);
+    /// then nothing is committed any more, and a crash leaves nothing to recover. The copy
+    /// goes at the last close.
+    pub async fn keep_unlinked(&mut self, client: &Arc<dyn ObjectClient>) -> FsResult<()> {
+        if !self.fill(client, 0, self.fetch_limit).await?.is_empty() {
+            return Err(FsError::NoSpace);
+        }
+        self.fetch_limit = 0;
+        self.discarded = true;
+        self.save_sidecar(true, false, false)
     }
 
     /// A write from the application: the rest of each `FETCH_BLOCK` it touches is read

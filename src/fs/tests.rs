@@ -160,6 +160,7 @@ on_both_stores!(
     existing_objects_are_edited_in_place,
     closes_commit_what_their_owner_wrote_and_later_writes_continue,
     unlinking_a_file_being_written_discards_it,
+    a_file_unlinked_or_replaced_while_open_keeps_its_data_until_the_last_close,
     s3fs_metadata_is_shown_and_listings_load_it_in_one_batch,
     chmod_chown_utimes_persist_in_one_copy_each_file,
     new_files_directories_symlinks_and_fifos_carry_s3fs_headers,
@@ -582,6 +583,83 @@ async fn unlinking_a_file_being_written_discards_it(store: Store) {
     fs.release(fh).await.unwrap();
     assert!(store.get("tmp").await.is_none());
     assert_eq!(store.open_uploads().await, 0);
+}
+
+/// As on a local disk: descriptors opened before `unlink` (or before a rename replaced
+/// the file) go on reading and writing it, `fstat` answers, the object is gone from S3 at
+/// once, and nothing is committed or left in the staging area after the last close.
+async fn a_file_unlinked_or_replaced_while_open_keeps_its_data_until_the_last_close(store: Store) {
+    let big: String = (0..300_000).map(|n| format!("{:07}\n", n)).collect();
+    store.put("big", &big).await;
+    store.put("log", "old log").await;
+    store.put("target", "replaced").await;
+    store.put("source", "renamed").await;
+    let fs = fs_with_store(&store, "");
+    let f = fs.lookup(ROOT, "big").await.unwrap();
+    let rw = OpenMode {
+        write: true,
+        truncate: false,
+        append: false,
+        exclusive: false,
+    };
+    let reader = fs.open(f.ino, R).await.unwrap();
+    assert_eq!(fs.read(reader, 0, 8).await.unwrap().as_ref(), b"0000000\n");
+    let writer = fs.open(f.ino, rw).await.unwrap();
+    fs.unlink(ROOT, "big").await.unwrap();
+    assert!(store.get("big").await.is_none(), "the object goes at once");
+    assert!(matches!(
+        fs.lookup(ROOT, "big").await,
+        Err(FsError::NotFound)
+    ));
+    // Bytes the reader never read before the unlink, far beyond its read-ahead.
+    let at = 8 * 250_000;
+    assert_eq!(fs.read(reader, at, 8).await.unwrap().as_ref(), b"0250000\n");
+    let end = big.len() as u64;
+    fs.write(writer, end, b"after unlink", Some(1))
+        .await
+        .unwrap();
+    fs.flush(writer, 1).await.unwrap();
+    assert_eq!(fs.getattr(f.ino).await.unwrap().size, end + 12);
+    assert_eq!(
+        fs.read(reader, end - 8, 100).await.unwrap().as_ref(),
+        b"0299999\nafter unlink"
+    );
+    fs.release(writer).await.unwrap();
+    fs.release(reader).await.unwrap();
+    assert!(
+        store.get("big").await.is_none(),
+        "nothing committed at close"
+    );
+    fs.flush_all().await;
+    assert!(!store.keys().await.contains(&"big".to_string()));
+    assert_eq!(
+        fs.staging().unwrap().used(),
+        0,
+        "the copy went at the last close"
+    );
+
+    // A new file under the same name while the old one is still open is its own file.
+    let old = fs.lookup(ROOT, "log").await.unwrap();
+    let fh = fs.open(old.ino, R).await.unwrap();
+    fs.unlink(ROOT, "log").await.unwrap();
+    let (_, new) = fs.create(ROOT, "log", W).await.unwrap();
+    fs.write(new, 0, b"new log", Some(1)).await.unwrap();
+    fs.release(new).await.unwrap();
+    assert_eq!(fs.read(fh, 0, 100).await.unwrap().as_ref(), b"old log");
+    fs.release(fh).await.unwrap();
+    assert_eq!(store.get("log").await.unwrap().as_ref(), b"new log");
+
+    // rename onto an open file: its descriptor keeps the replaced content.
+    let t = fs.lookup(ROOT, "target").await.unwrap();
+    let fh = fs.open(t.ino, R).await.unwrap();
+    fs.rename(ROOT, "source", ROOT, "target", false)
+        .await
+        .unwrap();
+    assert_eq!(fs.read(fh, 0, 100).await.unwrap().as_ref(), b"replaced");
+    fs.release(fh).await.unwrap();
+    fs.flush_all().await;
+    assert_eq!(store.get("target").await.unwrap().as_ref(), b"renamed");
+    assert!(store.get("source").await.is_none());
 }
 
 #[tokio::test]

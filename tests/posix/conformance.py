@@ -12,7 +12,7 @@ must allow other users (`allow_other`) and enforce permissions (`default_permiss
 
 Every row of TABLE is one case: (expected, op, args..., [options]). `expected` is "0" (success),
 an errno name ("ENOENT"), or the value the op returns (lstat fields, a symlink target, file
-contents). Arguments are formatted with the group's names: {n0}..{n9} are paths in the group's own
+contents). Arguments are formatted with the group's names: {n0}..{n11} are paths in the group's own
 directory, {name255}/{name256} a component of 255/256 bytes, {key1024}/{key1025} a path whose S3
 key (from the mount's root, plus --prefix-len bytes of the mount's prefix) is exactly 1024/1025
 bytes. Options: AS_USER runs the case as 65534:65534; Known("reason") marks a known, explained
@@ -50,10 +50,6 @@ class Known:
 
 
 # Known failures, each with its reason (README's semantics table says the same).
-UNLINKED_OPEN = Known("a file unlinked while open loses its data for the descriptors still open "
-                      "once the DELETE reaches S3: reads need S3 and get ENOENT (EIO through a "
-                      "descriptor that was writing); no local copy is kept and the DELETE is not "
-                      "deferred to the last close")
 
 O_WRCREAT = os.O_WRONLY | os.O_CREAT
 O_EXCL = os.O_WRONLY | os.O_CREAT | os.O_EXCL
@@ -253,11 +249,18 @@ TABLE = {
         ("0", "write", "{n7}", "x"),
         ("0", "unlink", "{n7}"),
         ("0", "write", "{n8}", "open while unlinked"),
-        ("open while unlinked", "unlink_open_read", "{n8}", UNLINKED_OPEN),
-        ("written, then unlinked", "unlink_open_read", "{n9}", os.O_RDWR | os.O_CREAT,
-         UNLINKED_OPEN),
+        ("open while unlinked", "unlink_open_read", "{n8}"),
+        ("written, then unlinked", "unlink_open_read", "{n9}", os.O_RDWR | os.O_CREAT),
+        ("0", "write", "{n10}", "kept"),
+        ("kept, and more|14", "unlink_open_write", "{n10}"),
+        ("ENOENT", "lstat", "{n10}", "type"),
         ("ENOENT", "lstat", "{n9}", "type"),
+        ("0", "write", "{n11}", "the old one"),
+        ("0", "write", "{n0}.new", "the new one"),
+        ("the old one|the new one", "rename_over_open_read", "{n0}.new", "{n11}"),
         REMOUNT,
+        ("ENOENT", "lstat", "{n10}", "type"),
+        ("the new one", "read", "{n11}"),
         ("ENOENT", "lstat", "{n7}", "type"),
         ("ENOENT", "lstat", "{n8}", "type"),
         ("ENOENT", "lstat", "{n9}", "type"),
@@ -916,6 +919,35 @@ def op_unlink_open_read(path, flags=os.O_RDONLY):
         os.close(fd)
 
 
+def op_unlink_open_write(path):
+    """Opens a file read-write, unlinks it, waits 0.3 s, appends through the descriptor,
+    then reads it back whole: content|size as fstat says."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.unlink(path)
+        time.sleep(0.3)
+        os.lseek(fd, 0, os.SEEK_END)
+        os.write(fd, b", and more")
+        os.lseek(fd, 0, os.SEEK_SET)
+        return "%s|%d" % (os.read(fd, 1 << 16).decode("latin-1"), os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+def op_rename_over_open_read(src, dst):
+    """Renames src onto dst while dst is open for reading, waits 0.3 s, then reads through
+    the descriptor (the replaced file) and by name (the new one)."""
+    fd = os.open(dst, os.O_RDONLY)
+    try:
+        os.rename(src, dst)
+        time.sleep(0.3)
+        with open(dst, "rb") as f:
+            new = f.read().decode("latin-1")
+        return "%s|%s" % (os.read(fd, 1 << 16).decode("latin-1"), new)
+    finally:
+        os.close(fd)
+
+
 def op_fifo_roundtrip(path):
     r = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     try:
@@ -1033,6 +1065,8 @@ OPS = {
     "stat": lambda p, f: _fields(os.stat(p), f),
     "listdir": lambda p: ",".join(sorted(os.listdir(p))),
     "unlink_open_read": op_unlink_open_read,
+    "unlink_open_write": op_unlink_open_write,
+    "rename_over_open_read": op_rename_over_open_read,
     "fifo_roundtrip": op_fifo_roundtrip,
     "times_recent": op_times_recent,
     "mtime_recent": op_mtime_recent,
@@ -1086,7 +1120,7 @@ def call_as_user(op, args):
 
 
 def names_for(group, prefix_len):
-    names = {"n%d" % i: "n%d" % i for i in range(10)}
+    names = {"n%d" % i: "n%d" % i for i in range(12)}
     names["name255"] = "N" * 255
     names["name256"] = "N" * 256
     names["long1000"] = "/".join(["t" * 99] * 10)[:1000]
