@@ -17,6 +17,7 @@ command -v unshare >/dev/null || need_apt+=(util-linux)
 command -v git >/dev/null || need_apt+=(git)
 command -v tar >/dev/null || need_apt+=(tar)
 command -v rsync >/dev/null || need_apt+=(rsync)
+command -v setfacl >/dev/null || need_apt+=(acl)
 command -v python3 >/dev/null || need_apt+=(python3 python3-pip)
 if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get update -qq

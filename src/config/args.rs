@@ -295,6 +295,7 @@ mod tests {
         c.sync_delete = rng.chance();
         c.page_cache = rng.chance();
         c.ignore_metadata = rng.chance();
+        c.posix_acl = rng.chance();
         c.content_type = crate::config::content_type::ContentTypes::parse(rng.pick(&[
             "infer",
             "off",

@@ -156,6 +156,8 @@ pub struct MountConfig {
     pub write_back: Option<Duration>,
     /// Stored POSIX metadata is neither shown nor written (default: it is, as s3fs does).
     pub ignore_metadata: bool,
+    /// POSIX ACLs are enforced and stored (`--posix-acl`; needs stored metadata).
+    pub posix_acl: bool,
     /// The Content-Type objects written get (`--content-type`).
     pub content_type: ContentTypes,
     pub debug: bool,
@@ -192,6 +194,7 @@ impl MountConfig {
             data_cache: false,
             passthrough: Passthrough::ReadOnly,
             ignore_metadata: false,
+            posix_acl: false,
             // Placeholder, replaced by its table default just below.
             content_type: ContentTypes::Off,
             write_back: None,
@@ -404,6 +407,7 @@ impl MountConfig {
                 self.write_back = Some(parse_duration(text()?).map_err(|e| invalid(key, e))?)
             }
             IgnoreMetadata => self.ignore_metadata = switch()?,
+            PosixAcl => self.posix_acl = switch()?,
             ContentType => {
                 self.content_type = ContentTypes::parse(text()?).map_err(|e| invalid(key, e))?
             }
@@ -459,6 +463,7 @@ impl MountConfig {
             CacheMemory => Some(format_size(self.cache_memory)),
             WriteBack => self.write_back.map(format_duration),
             IgnoreMetadata => on(self.ignore_metadata),
+            PosixAcl => on(self.posix_acl),
             ContentType => Some(self.content_type.to_string()),
             Debug => on(self.debug),
             Foreground | LogFile | CacheDir => None,

@@ -36,6 +36,7 @@ pub enum OptionId {
     CacheMemory,
     WriteBack,
     IgnoreMetadata,
+    PosixAcl,
     ContentType,
     Foreground,
     LogFile,
@@ -458,6 +459,13 @@ pub static MOUNT_OPTIONS: &[OptionSpec] = &[
         "Ignore POSIX metadata stored with objects (s3fs's x-amz-meta-mode/uid/gid/mtime): \
          every file shows --uid/--gid/--file-mode/--dir-mode and chmod, chown, utimes are \
          accepted and forgotten; saves the HEAD per object a listing otherwise costs",
+    ),
+    OptionSpec::switch(
+        Id::PosixAcl,
+        "posix-acl",
+        "POSIX ACLs (setfacl/getfacl), enforced by the kernel and stored with the xattrs as \
+         s3fs stores them; new entries inherit a directory's default ACL. Costs a HEAD for the \
+         first permission check of a file whose metadata no stat has loaded yet",
     ),
     OptionSpec::text(
         Id::ContentType,

@@ -194,6 +194,18 @@ impl Filesystem for FuseAdapter {
             passthrough,
             "file data path"
         );
+        // POSIX ACLs: the kernel checks them (they imply default_permissions) and reads
+        // them with getxattr; DONT_MASK leaves the umask to us, which a parent's default
+        // ACL overrides (see `S3Fs::new_entry_mode`).
+        if fs_cfg.posix_acl {
+            let acl = config.add_capabilities(InitFlags::FUSE_POSIX_ACL).is_ok()
+                && config.add_capabilities(InitFlags::FUSE_DONT_MASK).is_ok();
+            if !acl {
+                tracing::warn!(
+                    "the kernel offers no POSIX ACLs over FUSE; --posix-acl has no effect"
+                );
+            }
+        }
         let _ = config.set_max_readahead(1024 * 1024);
         let _ = config.set_max_background(64);
         let _ = config.set_congestion_threshold(48);
@@ -290,7 +302,14 @@ impl Filesystem for FuseAdapter {
         let who = creator(req);
         self.rt.spawn(async move {
             let res = match utf8(&name) {
-                Ok(n) => fs.mkdir_as(parent.0, n, Some((mode & !umask, who))).await,
+                Ok(n) => {
+                    let (mode, inherited) = fs.new_entry_mode(parent.0, mode, umask, true).await;
+                    let made = fs.mkdir_as(parent.0, n, Some((mode, who))).await;
+                    if let Ok(a) = &made {
+                        fs.add_inherited(a.ino, inherited);
+                    }
+                    made.map(|a| fs.entry_attr(a.ino).unwrap_or(a))
+                }
                 Err(e) => Err(e),
             };
             match res {
@@ -394,8 +413,12 @@ impl Filesystem for FuseAdapter {
         self.rt.spawn(async move {
             let res = match utf8(&name) {
                 Ok(n) => {
-                    fs.mknod(parent.0, n, mode & !(umask & 0o777), rdev, who)
-                        .await
+                    let (mode, inherited) = fs.new_entry_mode(parent.0, mode, umask, false).await;
+                    let made = fs.mknod(parent.0, n, mode, rdev, who).await;
+                    if let Ok(a) = &made {
+                        fs.add_inherited(a.ino, inherited);
+                    }
+                    made.map(|a| fs.entry_attr(a.ino).unwrap_or(a))
                 }
                 Err(e) => Err(e),
             };
@@ -517,6 +540,7 @@ impl Filesystem for FuseAdapter {
                     return reply.error(Errno::from_i32(libc::ETXTBSY));
                 }
             }
+            let (mode, inherited) = fs.new_entry_mode(parent.0, mode, umask, false).await;
             let res = match utf8(&name) {
                 Ok(n) => fs.create(parent.0, n, open_mode(flags)).await,
                 Err(e) => Err(e),
@@ -526,7 +550,8 @@ impl Filesystem for FuseAdapter {
             }
             // Its mode and owner go with its upload.
             let res = res.map(|(a, fh)| {
-                fs.init_meta(a.ino, mode & !umask, who);
+                fs.init_meta(a.ino, mode, who);
+                fs.add_inherited(a.ino, inherited);
                 (fs.entry_attr(a.ino).unwrap_or(a), fh)
             });
             match res {

@@ -193,6 +193,62 @@ impl S3Fs {
         }
     }
 
+    /// The mode of a new file, directory or special file created with `mode` and the
+    /// caller's `umask` in `parent`, and the ACLs it inherits: with `--posix-acl`, a
+    /// parent's default ACL gives the new entry its access ACL (and a directory that
+    /// default ACL too), limited by `mode`, and the umask does not apply (POSIX.1e).
+    pub async fn new_entry_mode(
+        &self,
+        parent: u64,
+        mode: u32,
+        umask: u32,
+        dir: bool,
+    ) -> (u32, Vec<(String, Vec<u8>)>) {
+        let masked = mode & !(umask & 0o777);
+        if !self.cfg.posix_acl {
+            return (masked, Vec::new());
+        }
+        self.load_meta(&[parent]).await;
+        let default = self.inode(parent).ok().and_then(|p| {
+            let v = p.meta.as_ref()?.xattrs.get(acl::DEFAULT)?.clone();
+            Some((acl::Acl::parse(&v).ok()?, v))
+        });
+        let Some((default, raw)) = default else {
+            return (masked, Vec::new());
+        };
+        let (access, mode) = default.inherit(mode);
+        let mut inherited = Vec::new();
+        if !access.is_minimal() {
+            inherited.push((acl::ACCESS.to_string(), access.to_bytes()));
+        }
+        if dir {
+            inherited.push((acl::DEFAULT.to_string(), raw));
+        }
+        (mode, inherited)
+    }
+
+    /// Gives the new entry `ino` the ACLs `new_entry_mode` said it inherits: carried by
+    /// its upload if one is due, else saved as any metadata change (one more PUT of a
+    /// directory marker, or a copy of a special file).
+    pub fn add_inherited(&self, ino: u64, inherited: Vec<(String, Vec<u8>)>) {
+        if inherited.is_empty() {
+            return;
+        }
+        let schedule = {
+            let mut t = self.inodes();
+            let Some(i) = t.get_mut(ino) else {
+                return;
+            };
+            let m = Arc::make_mut(i.meta.get_or_insert_with(Default::default));
+            m.xattrs.extend(inherited);
+            i.meta_changes += 1;
+            !i.being_written() && !i.local_only
+        };
+        if schedule {
+            self.schedule_save(ino);
+        }
+    }
+
     /// chmod, chown, utimensat (`setattr` without a size).
     pub async fn set_attrs(&self, ino: u64, set: SetAttrs) -> FsResult<Attr> {
         if !self.cfg.posix_metadata || set.is_empty() {
@@ -214,6 +270,13 @@ impl S3Fs {
                 // s3fs keeps S_IFDIR off directory markers' mode; so do we, for its sake.
                 let ifmt = if i.kind == Kind::Dir { 0 } else { ifmt };
                 m.mode = Some(ifmt | (mode & 0o7777));
+                if let Some(v) = m.xattrs.get_mut(acl::ACCESS).filter(|_| self.cfg.posix_acl) {
+                    // The ACL's owner, group-class and other entries follow the mode.
+                    if let Ok(mut a) = acl::Acl::parse(v) {
+                        a.chmod(mode);
+                        *v = a.to_bytes();
+                    }
+                }
             } else if m.mode.is_none() && i.kind == Kind::File {
                 // The first stored mode must say what the file shows now.
                 m.mode = Some(shown.node.ifmt() | u32::from(shown.perm));
@@ -321,17 +384,21 @@ impl S3Fs {
 
     // ---- xattrs ------------------------------------------------------------------
 
-    fn xattr_name_ok(name: &str) -> FsResult<()> {
-        // Security labels and POSIX ACLs mean something to the kernel that S3 cannot keep.
-        if name.starts_with("user.") || name.starts_with("trusted.") {
+    fn xattr_name_ok(&self, name: &str) -> FsResult<()> {
+        // Security labels mean something to the kernel that S3 cannot keep; POSIX ACLs
+        // only where the kernel enforces them (`--posix-acl`).
+        let acl = self.cfg.posix_acl && (name == acl::ACCESS || name == acl::DEFAULT);
+        if name.starts_with("user.") || name.starts_with("trusted.") || acl {
             Ok(())
         } else {
-            Err(FsError::Unsupported("only user.* and trusted.* xattrs"))
+            Err(FsError::Unsupported(
+                "only user.* and trusted.* xattrs (and POSIX ACLs with --posix-acl)",
+            ))
         }
     }
 
     pub async fn getxattr(&self, ino: u64, name: &str) -> FsResult<Vec<u8>> {
-        if !self.cfg.posix_metadata || Self::xattr_name_ok(name).is_err() {
+        if !self.cfg.posix_metadata || self.xattr_name_ok(name).is_err() {
             return Err(FsError::NoAttr);
         }
         self.load_meta(&[ino]).await;
@@ -349,7 +416,8 @@ impl S3Fs {
         self.load_meta(&[ino]).await;
         let i = self.inode(ino)?;
         let mut out = Vec::new();
-        for name in i.meta.iter().flat_map(|m| m.xattrs.keys()) {
+        let names = i.meta.iter().flat_map(|m| m.xattrs.keys());
+        for name in names.filter(|n| self.xattr_name_ok(n).is_ok()) {
             out.extend_from_slice(name.as_bytes());
             out.push(0);
         }
@@ -367,8 +435,14 @@ impl S3Fs {
         if !self.cfg.posix_metadata {
             return Err(FsError::Unsupported("xattrs need stored metadata"));
         }
-        Self::xattr_name_ok(name)?;
+        self.xattr_name_ok(name)?;
         self.writable()?;
+        let access_acl = match value {
+            Some(v) if name == acl::ACCESS || name == acl::DEFAULT => {
+                Some(acl::Acl::parse(v)?).filter(|_| name == acl::ACCESS)
+            }
+            _ => None,
+        };
         self.load_meta(&[ino]).await;
         let schedule = {
             let mut t = self.inodes();
@@ -376,7 +450,17 @@ impl S3Fs {
             let shown = self.attr_of(i);
             let m = Arc::make_mut(i.meta.get_or_insert_with(Default::default));
             let exists = m.xattrs.contains_key(name);
+            if let Some(a) = &access_acl {
+                // The kernel leaves the mode to us: it shows the ACL's owner, group-class
+                // and other bits; an ACL that says no more than them is not kept.
+                let old = m.mode.unwrap_or(shown.node.ifmt() | u32::from(shown.perm));
+                let ifmt = if i.kind == Kind::Dir { 0 } else { old & S_IFMT };
+                m.mode = Some(ifmt | (old & 0o7000) | a.mode_bits());
+            }
             match value {
+                Some(_) if access_acl.as_ref().is_some_and(|a| a.is_minimal()) => {
+                    m.xattrs.remove(name);
+                }
                 Some(v) => {
                     if flags & libc::XATTR_CREATE != 0 && exists {
                         return Err(FsError::Exists);
@@ -392,7 +476,10 @@ impl S3Fs {
                     m.xattrs = x;
                 }
                 None => {
-                    if m.xattrs.remove(name).is_none() {
+                    // Removing an ACL that is not there (`setfacl -b` of a plain mode) is
+                    // no error.
+                    let acl = name == acl::ACCESS || name == acl::DEFAULT;
+                    if m.xattrs.remove(name).is_none() && !acl {
                         return Err(FsError::NoAttr);
                     }
                 }

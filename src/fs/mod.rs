@@ -24,6 +24,7 @@
 //! and `prefetch.rs`; `deletes.rs` orders DELETEs at the client seam. This file holds the
 //! shared state ([`S3Fs`]) and the small helpers every part uses.
 
+mod acl;
 pub mod cache;
 pub mod deletes;
 mod edit;
@@ -136,6 +137,8 @@ pub struct FsConfig {
     /// Stored POSIX metadata (`meta.rs`) is read and written; off: every file shows the
     /// defaults above and chmod/chown/utimes are accepted and forgotten, as before.
     pub posix_metadata: bool,
+    /// POSIX ACLs are enforced by the kernel and stored with the xattrs (see `acl.rs`).
+    pub posix_acl: bool,
     /// The Content-Type new objects get (`--content-type`; see `S3Fs::typed`).
     pub content_type: crate::config::content_type::ContentTypes,
     /// How long a metadata change waits for others to share its CopyObject (see
@@ -174,6 +177,7 @@ impl From<&MountConfig> for FsConfig {
             cache_memory: cfg.cache_memory,
             write_back: cfg.write_back,
             posix_metadata: !cfg.ignore_metadata,
+            posix_acl: cfg.posix_acl && !cfg.ignore_metadata,
             content_type: cfg.content_type.clone(),
             meta_save_delay: meta_update::SAVE_DELAY,
         }

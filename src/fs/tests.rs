@@ -165,6 +165,7 @@ on_both_stores!(
     chmod_chown_utimes_persist_in_one_copy_each_file,
     new_files_directories_symlinks_and_fifos_carry_s3fs_headers,
     xattrs_round_trip_in_s3fs_encoding,
+    posix_acls_set_the_mode_follow_chmod_and_are_inherited,
     content_types_are_inferred_and_kept,
     names_longer_than_255_bytes_written_elsewhere_are_listed_opened_and_removed,
     older_s3fs_directory_objects_are_directories,
@@ -1369,6 +1370,168 @@ async fn new_files_directories_symlinks_and_fifos_carry_s3fs_headers(store: Stor
         fs.symlink(d.ino, "l", "elsewhere", who).await,
         Err(FsError::Exists)
     ));
+}
+
+/// `--posix-acl` (issue 40.7): an ACL's value in the kernel's xattr form.
+fn acl_value(entries: &[(u16, u16, u32)]) -> Vec<u8> {
+    let mut v = 2u32.to_le_bytes().to_vec();
+    for (tag, perm, id) in entries {
+        v.extend_from_slice(&tag.to_le_bytes());
+        v.extend_from_slice(&perm.to_le_bytes());
+        v.extend_from_slice(&id.to_le_bytes());
+    }
+    v
+}
+
+async fn posix_acls_set_the_mode_follow_chmod_and_are_inherited(store: Store) {
+    const ACCESS: &str = "system.posix_acl_access";
+    const DEFAULT: &str = "system.posix_acl_default";
+    store.put("f", "x").await;
+    let plain = fs_with_store(&store, "");
+    let f = plain.lookup(ROOT, "f").await.unwrap();
+    let named = acl_value(&[
+        (1, 6, 0),
+        (2, 4, 65534),
+        (4, 4, 0),
+        (0x10, 4, 0),
+        (0x20, 0, 0),
+    ]);
+    assert!(
+        matches!(
+            plain.change_xattr(f.ino, ACCESS, Some(&named), 0).await,
+            Err(FsError::Unsupported(_))
+        ),
+        "no ACLs without --posix-acl: the kernel would not enforce them"
+    );
+    let fs = S3Fs::new(
+        store.client(),
+        FsConfig {
+            posix_acl: true,
+            metadata_ttl: Duration::from_secs(60),
+            ..FsConfig::default()
+        },
+    );
+    let f = fs.lookup(ROOT, "f").await.unwrap();
+    assert!(matches!(
+        fs.change_xattr(f.ino, ACCESS, Some(b"junk"), 0).await,
+        Err(FsError::Invalid(_))
+    ));
+    fs.change_xattr(f.ino, ACCESS, Some(&named), 0)
+        .await
+        .unwrap();
+    assert_eq!(
+        fs.getattr(f.ino).await.unwrap().perm,
+        0o640,
+        "owner, mask, other"
+    );
+    assert_eq!(fs.getxattr(f.ino, ACCESS).await.unwrap(), named);
+    // chmod moves the mask, not the named entry.
+    fs.set_attrs(
+        f.ino,
+        meta_update::SetAttrs {
+            mode: Some(0o600),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let chmodded = acl_value(&[
+        (1, 6, 0),
+        (2, 4, 65534),
+        (4, 4, 0),
+        (0x10, 0, 0),
+        (0x20, 0, 0),
+    ]);
+    assert_eq!(fs.getxattr(f.ino, ACCESS).await.unwrap(), chmodded);
+    fs.fsync_meta_for_tests(f.ino).await;
+    assert_eq!(
+        store.meta("f").await["mode"],
+        (libc::S_IFREG | 0o600).to_string()
+    );
+    let again = S3Fs::new(
+        store.client(),
+        FsConfig {
+            posix_acl: true,
+            ..FsConfig::default()
+        },
+    );
+    let g = again.lookup(ROOT, "f").await.unwrap();
+    assert_eq!(again.getxattr(g.ino, ACCESS).await.unwrap(), chmodded);
+    // An ACL that says no more than the mode is the mode.
+    let minimal = acl_value(&[(1, 7, 0), (4, 5, 0), (0x20, 5, 0)]);
+    again
+        .change_xattr(g.ino, ACCESS, Some(&minimal), 0)
+        .await
+        .unwrap();
+    assert_eq!(again.getattr(g.ino).await.unwrap().perm, 0o755);
+    assert!(matches!(
+        again.getxattr(g.ino, ACCESS).await,
+        Err(FsError::NoAttr)
+    ));
+    again.change_xattr(g.ino, ACCESS, None, 0).await.unwrap();
+
+    // A directory's default ACL: new entries inherit it, the umask does not apply.
+    let d = fs.mkdir(ROOT, "d").await.unwrap();
+    let default = acl_value(&[
+        (1, 7, 0),
+        (8, 6, 2000),
+        (4, 5, 0),
+        (0x10, 7, 0),
+        (0x20, 5, 0),
+    ]);
+    fs.change_xattr(d.ino, DEFAULT, Some(&default), 0)
+        .await
+        .unwrap();
+    let (mode, inherited) = fs
+        .new_entry_mode(d.ino, libc::S_IFREG | 0o666, 0o077, false)
+        .await;
+    assert_eq!(mode, libc::S_IFREG | 0o664, "mask rw, other r: no umask");
+    assert_eq!(
+        inherited,
+        vec![(
+            ACCESS.to_string(),
+            acl_value(&[
+                (1, 6, 0),
+                (8, 6, 2000),
+                (4, 5, 0),
+                (0x10, 6, 0),
+                (0x20, 4, 0)
+            ])
+        )]
+    );
+    let (mode, inherited) = fs.new_entry_mode(d.ino, 0o777, 0o077, true).await;
+    assert_eq!(mode, 0o775);
+    assert_eq!(
+        inherited.len(),
+        2,
+        "a subdirectory also gets the default ACL"
+    );
+    let sub = fs
+        .mkdir_as(
+            d.ino,
+            "sub",
+            Some((mode, meta_update::Creator { uid: 0, gid: 0 })),
+        )
+        .await
+        .unwrap();
+    fs.add_inherited(sub.ino, inherited);
+    fs.flush_all().await;
+    let again = S3Fs::new(
+        store.client(),
+        FsConfig {
+            posix_acl: true,
+            ..FsConfig::default()
+        },
+    );
+    let d2 = again.lookup(ROOT, "d").await.unwrap();
+    let sub2 = again.lookup(d2.ino, "sub").await.unwrap();
+    assert_eq!(again.getxattr(sub2.ino, DEFAULT).await.unwrap(), default);
+    assert!(again.getxattr(sub2.ino, ACCESS).await.is_ok());
+    // Without a default ACL the umask applies.
+    let (mode, inherited) = again
+        .new_entry_mode(ROOT, libc::S_IFREG | 0o666, 0o022, false)
+        .await;
+    assert_eq!((mode, inherited.len()), (libc::S_IFREG | 0o644, 0));
 }
 
 async fn xattrs_round_trip_in_s3fs_encoding(store: Store) {
