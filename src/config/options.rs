@@ -1,7 +1,7 @@
 //! The options of `s3csi mount`, described once: [`MOUNT_OPTIONS`]. Parsing
 //! ([`super::MountConfig::apply_option`]), the defaults ([`super::MountConfig::new`]), the
 //! mounter's argv ([`super::MountConfig::to_args`]), `s3csi mount --help`
-//! ([`super::MountArgs`]) and README's options table (checked by a test here) all come
+//! ([`super::MountArgs`]) and the options table in docs/configuration.md (checked by a test here) all come
 //! from this table.
 
 /// Which option a row describes; [`super::MountConfig`] maps each to its field.
@@ -393,7 +393,7 @@ pub static MOUNT_OPTIONS: &[OptionSpec] = &[
         Id::PageCache,
         "page-cache",
         "Let the kernel cache file data while a file is open (default: direct I/O, which \
-         copies reads and writes once, on Linux 6.6+; see README \"Semantics\")",
+         copies reads and writes once, on Linux 6.6+; see docs/semantics.md)",
     ),
     OptionSpec::text(
         Id::CacheDir,
@@ -417,7 +417,7 @@ pub static MOUNT_OPTIONS: &[OptionSpec] = &[
         Id::DataCache,
         "data-cache",
         "Keep the object data read in the cache directory, so that reading it again needs no \
-         S3 request (on by default when --cache-dir is given; see README \"Data cache\")",
+         S3 request (on by default when --cache-dir is given; see docs/semantics.md, \"Data cache\")",
     ),
     OptionSpec::text(
         Id::Passthrough,
@@ -427,7 +427,7 @@ pub static MOUNT_OPTIONS: &[OptionSpec] = &[
         "When the kernel reads wholly cached files itself (FUSE passthrough, Linux 6.9+): \
          read-only (on read-only mounts), always (also on writable ones: opening a file for \
          writing while it is read that way gives ETXTBSY), off (through the mounter); see \
-         README \"Data cache\"",
+         docs/semantics.md, \"Data cache\"",
     ),
     OptionSpec::text(
         Id::CacheFree,
@@ -554,8 +554,8 @@ mod tests {
 
     #[test]
     fn readme_options_table_matches_the_table() {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/README.md");
-        let readme = std::fs::read_to_string(path).expect("README.md");
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/docs/configuration.md");
+        let readme = std::fs::read_to_string(path).expect("docs/configuration.md");
         let documented = readme_rows(&readme);
         let expected: Vec<(String, String)> = MOUNT_OPTIONS
             .iter()
@@ -569,12 +569,39 @@ mod tests {
             let (found, wanted) = (documented.get(i), expected.get(i));
             assert!(
                 found == wanted,
-                "README.md's options table, row {}: has\n  {}\nwhere config::options::MOUNT_OPTIONS \
+                "docs/configuration.md's options table, row {}: has\n  {}\nwhere config::options::MOUNT_OPTIONS \
                  says\n  {}\n(first two columns, in the table's order)",
                 i + 1,
                 row(found),
                 row(wanted),
             );
+        }
+    }
+
+    /// README and docs/ link to each other and to files of the repository: every
+    /// relative link must name a file that exists.
+    #[test]
+    fn relative_links_in_readme_and_docs_resolve() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let mut pages = vec![root.join("README.md")];
+        for e in std::fs::read_dir(root.join("docs")).expect("docs/") {
+            pages.push(e.unwrap().path());
+        }
+        for page in pages {
+            let text = std::fs::read_to_string(&page).unwrap();
+            for link in text.split("](").skip(1) {
+                let target = link.split(')').next().unwrap_or_default();
+                let file = target.split('#').next().unwrap_or_default();
+                if file.is_empty() || file.contains("://") || file.contains(' ') {
+                    continue;
+                }
+                let at = page.parent().unwrap().join(file);
+                assert!(
+                    at.exists(),
+                    "{}: link to {target} names no file",
+                    page.display()
+                );
+            }
         }
     }
 }
