@@ -12,6 +12,11 @@ use super::error::{FsError, FsResult};
 pub const ACCESS: &str = "system.posix_acl_access";
 pub const DEFAULT: &str = "system.posix_acl_default";
 
+/// Whether xattr `name` is one of the two ACLs.
+pub fn is_acl_name(name: &str) -> bool {
+    name == ACCESS || name == DEFAULT
+}
+
 const VERSION: u32 = 2;
 const USER_OBJ: u16 = 0x01;
 const USER: u16 = 0x02;

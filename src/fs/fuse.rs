@@ -305,10 +305,7 @@ impl Filesystem for FuseAdapter {
                 Ok(n) => {
                     let (mode, inherited) = fs.new_entry_mode(parent.0, mode, umask, true).await;
                     let made = fs.mkdir_as(parent.0, n, Some((mode, who))).await;
-                    if let Ok(a) = &made {
-                        fs.add_inherited(a.ino, inherited);
-                    }
-                    made.map(|a| fs.entry_attr(a.ino).unwrap_or(a))
+                    made.map(|a| fs.add_inherited(a, inherited))
                 }
                 Err(e) => Err(e),
             };
@@ -415,10 +412,7 @@ impl Filesystem for FuseAdapter {
                 Ok(n) => {
                     let (mode, inherited) = fs.new_entry_mode(parent.0, mode, umask, false).await;
                     let made = fs.mknod(parent.0, n, mode, rdev, who).await;
-                    if let Ok(a) = &made {
-                        fs.add_inherited(a.ino, inherited);
-                    }
-                    made.map(|a| fs.entry_attr(a.ino).unwrap_or(a))
+                    made.map(|a| fs.add_inherited(a, inherited))
                 }
                 Err(e) => Err(e),
             };
@@ -551,8 +545,7 @@ impl Filesystem for FuseAdapter {
             // Its mode and owner go with its upload.
             let res = res.map(|(a, fh)| {
                 fs.init_meta(a.ino, mode, who);
-                fs.add_inherited(a.ino, inherited);
-                (fs.entry_attr(a.ino).unwrap_or(a), fh)
+                (fs.add_inherited(a, inherited), fh)
             });
             match res {
                 Ok((a, fh)) => reply.created(

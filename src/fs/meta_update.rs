@@ -141,6 +141,20 @@ pub(super) fn new_meta(mode: u32, who: Creator) -> PosixMeta {
     }
 }
 
+/// The `x-amz-meta-mode` to store for permission bits `perm` of an inode of `kind` that
+/// shows `shown` and has `stored` now: its file type kept (or the shown one), none for a
+/// directory marker, as s3fs keeps S_IFDIR off them.
+fn stored_mode(kind: Kind, stored: Option<u32>, shown: &Attr, perm: u32) -> u32 {
+    if kind == Kind::Dir {
+        return perm & 0o7777;
+    }
+    let ifmt = match stored {
+        Some(old) if old & S_IFMT != 0 => old & S_IFMT,
+        _ => shown.node.ifmt(),
+    };
+    ifmt | (perm & 0o7777)
+}
+
 /// `h` with a Content-Type: the one it carries (an existing object's, which is kept),
 /// else the one `types` gives a new object at `key`.
 pub(super) fn with_content_type(types: &ContentTypes, mut h: UserMeta, key: &str) -> UserMeta {
@@ -227,13 +241,18 @@ impl S3Fs {
         (mode, inherited)
     }
 
-    /// Gives the new entry `ino` the ACLs `new_entry_mode` said it inherits: carried by
+    /// Gives the new entry `made` the ACLs `new_entry_mode` said it inherits: carried by
     /// its upload if one is due, else saved as any metadata change (one more PUT of a
-    /// directory marker, or a copy of a special file).
-    pub fn add_inherited(&self, ino: u64, inherited: Vec<(String, Vec<u8>)>) {
-        if inherited.is_empty() {
-            return;
+    /// directory marker, or a copy of a special file). What the entry shows now.
+    pub fn add_inherited(&self, made: Attr, inherited: Vec<(String, Vec<u8>)>) -> Attr {
+        let ino = made.ino;
+        if !inherited.is_empty() {
+            self.inherit_xattrs(ino, inherited);
         }
+        self.entry_attr(ino).unwrap_or(made)
+    }
+
+    fn inherit_xattrs(&self, ino: u64, inherited: Vec<(String, Vec<u8>)>) {
         let schedule = {
             let mut t = self.inodes();
             let Some(i) = t.get_mut(ino) else {
@@ -263,13 +282,7 @@ impl S3Fs {
             let shown = self.attr_of(i);
             let m = Arc::make_mut(i.meta.get_or_insert_with(Default::default));
             if let Some(mode) = set.mode {
-                let ifmt = match m.mode {
-                    Some(old) if old & S_IFMT != 0 => old & S_IFMT,
-                    _ => shown.node.ifmt(),
-                };
-                // s3fs keeps S_IFDIR off directory markers' mode; so do we, for its sake.
-                let ifmt = if i.kind == Kind::Dir { 0 } else { ifmt };
-                m.mode = Some(ifmt | (mode & 0o7777));
+                m.mode = Some(stored_mode(i.kind, m.mode, &shown, mode));
                 if let Some(v) = m.xattrs.get_mut(acl::ACCESS).filter(|_| self.cfg.posix_acl) {
                     // The ACL's owner, group-class and other entries follow the mode.
                     if let Ok(mut a) = acl::Acl::parse(v) {
@@ -387,7 +400,7 @@ impl S3Fs {
     fn xattr_name_ok(&self, name: &str) -> FsResult<()> {
         // Security labels mean something to the kernel that S3 cannot keep; POSIX ACLs
         // only where the kernel enforces them (`--posix-acl`).
-        let acl = self.cfg.posix_acl && (name == acl::ACCESS || name == acl::DEFAULT);
+        let acl = self.cfg.posix_acl && acl::is_acl_name(name);
         if name.starts_with("user.") || name.starts_with("trusted.") || acl {
             Ok(())
         } else {
@@ -438,7 +451,7 @@ impl S3Fs {
         self.xattr_name_ok(name)?;
         self.writable()?;
         let access_acl = match value {
-            Some(v) if name == acl::ACCESS || name == acl::DEFAULT => {
+            Some(v) if acl::is_acl_name(name) => {
                 Some(acl::Acl::parse(v)?).filter(|_| name == acl::ACCESS)
             }
             _ => None,
@@ -453,9 +466,8 @@ impl S3Fs {
             if let Some(a) = &access_acl {
                 // The kernel leaves the mode to us: it shows the ACL's owner, group-class
                 // and other bits; an ACL that says no more than them is not kept.
-                let old = m.mode.unwrap_or(shown.node.ifmt() | u32::from(shown.perm));
-                let ifmt = if i.kind == Kind::Dir { 0 } else { old & S_IFMT };
-                m.mode = Some(ifmt | (old & 0o7000) | a.mode_bits());
+                let special = u32::from(shown.perm) & 0o7000;
+                m.mode = Some(stored_mode(i.kind, m.mode, &shown, special | a.mode_bits()));
             }
             match value {
                 Some(_) if access_acl.as_ref().is_some_and(|a| a.is_minimal()) => {
@@ -478,8 +490,7 @@ impl S3Fs {
                 None => {
                     // Removing an ACL that is not there (`setfacl -b` of a plain mode) is
                     // no error.
-                    let acl = name == acl::ACCESS || name == acl::DEFAULT;
-                    if m.xattrs.remove(name).is_none() && !acl {
+                    if m.xattrs.remove(name).is_none() && !acl::is_acl_name(name) {
                         return Err(FsError::NoAttr);
                     }
                 }

@@ -187,11 +187,8 @@ impl S3Fs {
             .child(parent, name)
             .cloned()
             .ok_or(FsError::NotFound)?;
-        let kept = child.open_handles > 0 && self.keep_while_open(child.ino).await;
+        self.detach_from_its_name(child.ino).await;
         let child = self.inode(child.ino)?;
-        if !kept {
-            self.abandon_writes(&child).await;
-        }
         if !child.local_only {
             self.client
                 .delete_object(&format!("{}{}", p.key, name))
@@ -199,6 +196,20 @@ impl S3Fs {
         }
         self.inodes().remove_here(parent, name);
         Ok(())
+    }
+
+    /// `ino` loses its name (unlink, or a rename onto it): descriptors that have it open
+    /// keep it (`keep_while_open`); where that fails, what they write reaches no object
+    /// (`abandon_writes`).
+    async fn detach_from_its_name(&self, ino: u64) {
+        let open = self.inode(ino).is_ok_and(|i| i.open_handles > 0);
+        if open && self.keep_while_open(ino).await {
+            return;
+        }
+        // As it is now: a failed keep may have staged it.
+        if let Ok(i) = self.inode(ino) {
+            self.abandon_writes(&i).await;
+        }
     }
 
     /// `ino` is unlinked while open: as on a local disk, its descriptors go on reading
@@ -319,21 +330,9 @@ impl S3Fs {
                     "rename onto a file whose kept edit cannot be uploaded",
                 ));
             }
-            let open = self
-                .inodes()
-                .get(a.ino)
-                .filter(|a| a.open_handles > 0 || a.being_written())
-                .cloned();
-            if let Some(a) = open {
-                // Its descriptors keep the replaced file, as after an unlink: kept (or
-                // abandoned) before the copy, so that none of their commits lands after it.
-                let kept = a.open_handles > 0 && self.keep_while_open(a.ino).await;
-                if !kept {
-                    // As it is now: a failed keep may have staged it.
-                    let a = self.inode(a.ino)?;
-                    self.abandon_writes(&a).await;
-                }
-            }
+            // Its descriptors keep the replaced file, as after an unlink: before the copy,
+            // so that none of their commits lands after it.
+            self.detach_from_its_name(a.ino).await;
         }
         // The copy takes the object's metadata along: a pending change goes first.
         if let Err(e) = self.save_meta(src.ino).await {

@@ -39,6 +39,11 @@ pub(super) struct ListedEntry {
 /// What older s3fs versions, Hadoop and some consoles mark a directory `dir` with.
 pub(super) const FOLDER_SUFFIX: &str = "_$folder$";
 
+/// `dir` for a listed name `dir_$folder$`.
+fn folder_of(name: &str) -> Option<&str> {
+    name.strip_suffix(FOLDER_SUFFIX).filter(|n| !n.is_empty())
+}
+
 /// The children one LIST page of `dir_key` shows, sorted by name: common prefixes are
 /// directories, and so are `name_$folder$` objects; a file with the same name as a
 /// directory is hidden by it, the directory's own marker and names that are not a single
@@ -57,11 +62,7 @@ pub(super) fn page_entries(
         .map(|p| (p.trim_end_matches('/'), None))
         .collect();
     for o in &page.objects {
-        let folder = o
-            .key
-            .strip_prefix(dir_key)
-            .and_then(|n| n.strip_suffix(FOLDER_SUFFIX));
-        if let Some(name) = folder.filter(|n| !n.is_empty()) {
+        if let Some(name) = o.key.strip_prefix(dir_key).and_then(folder_of) {
             dirs.entry(name)
                 .or_default()
                 .get_or_insert_with(|| o.key.clone());
@@ -72,10 +73,7 @@ pub(super) fn page_entries(
         .iter()
         .filter_map(|o| {
             let name = o.key.strip_prefix(dir_key)?;
-            let folder = name
-                .strip_suffix(FOLDER_SUFFIX)
-                .is_some_and(|n| !n.is_empty());
-            (!dirs.contains_key(name) && !folder).then(|| ListedEntry {
+            (!dirs.contains_key(name) && folder_of(name).is_none()).then(|| ListedEntry {
                 kind: Kind::File,
                 name: name.to_string(),
                 size: o.meta.size,

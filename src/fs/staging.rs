@@ -429,9 +429,7 @@ impl StagedFile {
         if !self.is_dirty() || self.discarded {
             return Ok(());
         }
-        if !self.fill(client, 0, self.fetch_limit).await?.is_empty() {
-            return Err(FsError::NoSpace);
-        }
+        self.fetch_all(client).await?;
         if durable {
             self.file.sync_data().map_err(local_io)?;
         }
@@ -516,12 +514,18 @@ impl StagedFile {
     /// then nothing is committed any more, and a crash leaves nothing to recover. The copy
     /// goes at the last close.
     pub async fn keep_unlinked(&mut self, client: &Arc<dyn ObjectClient>) -> FsResult<()> {
-        if !self.fill(client, 0, self.fetch_limit).await?.is_empty() {
-            return Err(FsError::NoSpace);
-        }
+        self.fetch_all(client).await?;
         self.fetch_limit = 0;
         self.discarded = true;
         self.save_sidecar(true, false, false)
+    }
+
+    /// Fetches every byte of the base version not yet local: ENOSPC where they do not fit.
+    async fn fetch_all(&mut self, client: &Arc<dyn ObjectClient>) -> FsResult<()> {
+        if !self.fill(client, 0, self.fetch_limit).await?.is_empty() {
+            return Err(FsError::NoSpace);
+        }
+        Ok(())
     }
 
     /// A write from the application: the rest of each `FETCH_BLOCK` it touches is read

@@ -178,6 +178,14 @@ const W: OpenMode = OpenMode {
     append: false,
     exclusive: false,
 };
+/// Opened for writing without O_TRUNC: an edit in place.
+const RW: OpenMode = OpenMode {
+    write: true,
+    truncate: false,
+    append: false,
+    exclusive: false,
+};
+const APPEND: OpenMode = OpenMode { append: true, ..RW };
 const R: OpenMode = OpenMode {
     write: false,
     truncate: false,
@@ -451,13 +459,7 @@ async fn existing_objects_are_edited_in_place(store: Store) {
     store.put("obj", "old contents").await;
     let fs = fs_with_store(&store, "");
     let a = fs.lookup(ROOT, "obj").await.unwrap();
-    let rw = OpenMode {
-        write: true,
-        truncate: false,
-        append: false,
-        exclusive: false,
-    };
-    let fh = fs.open(a.ino, rw).await.unwrap();
+    let fh = fs.open(a.ino, RW).await.unwrap();
     fs.write(fh, 0, b"O", Some(1)).await.unwrap();
     fs.write(fh, 12, b", appended", Some(1)).await.unwrap();
     assert_eq!(store.get("obj").await.unwrap().as_ref(), b"old contents");
@@ -477,7 +479,7 @@ async fn existing_objects_are_edited_in_place(store: Store) {
     fs.release(other).await.unwrap();
 
     // Someone else replaces the object: an append to the version we knew must not mix.
-    let fh = fs.open(a.ino, rw).await.unwrap();
+    let fh = fs.open(a.ino, RW).await.unwrap();
     store.put("obj", "theirs, 22 bytes long!").await;
     assert!(fs.write(fh, 22, b"mine", Some(1)).await.is_err());
     fs.release(fh).await.unwrap();
@@ -488,7 +490,7 @@ async fn existing_objects_are_edited_in_place(store: Store) {
 
     // Nor may an edit in the middle overwrite it: the close fails.
     let _ = fs.getattr(a.ino).await;
-    let fh = fs.open(a.ino, rw).await.unwrap();
+    let fh = fs.open(a.ino, RW).await.unwrap();
     assert_eq!(fs.read(fh, 0, 6).await.unwrap().as_ref(), b"theirs");
     fs.write(fh, 1, b"X", Some(1)).await.unwrap();
     store.put("obj", "theirs again").await;
@@ -597,15 +599,9 @@ async fn a_file_unlinked_or_replaced_while_open_keeps_its_data_until_the_last_cl
     store.put("source", "renamed").await;
     let fs = fs_with_store(&store, "");
     let f = fs.lookup(ROOT, "big").await.unwrap();
-    let rw = OpenMode {
-        write: true,
-        truncate: false,
-        append: false,
-        exclusive: false,
-    };
     let reader = fs.open(f.ino, R).await.unwrap();
     assert_eq!(fs.read(reader, 0, 8).await.unwrap().as_ref(), b"0000000\n");
-    let writer = fs.open(f.ino, rw).await.unwrap();
+    let writer = fs.open(f.ino, RW).await.unwrap();
     fs.unlink(ROOT, "big").await.unwrap();
     assert!(store.get("big").await.is_none(), "the object goes at once");
     assert!(matches!(
@@ -931,16 +927,10 @@ async fn a_rename_onto_a_file_whose_release_is_on_its_way_replaces_it() {
     mem.insert("s", "src");
     let fs = Arc::new(fs_with(mem.clone(), ""));
     let t = fs.lookup(ROOT, "t").await.unwrap();
-    let append = OpenMode {
-        write: true,
-        truncate: false,
-        append: true,
-        exclusive: false,
-    };
     // Two writers: the second stages the file.
     let (a, b) = (
-        fs.open(t.ino, append).await.unwrap(),
-        fs.open(t.ino, append).await.unwrap(),
+        fs.open(t.ino, APPEND).await.unwrap(),
+        fs.open(t.ino, APPEND).await.unwrap(),
     );
     fs.write(a, 3, b"+a", Some(1)).await.unwrap();
     fs.write(b, 5, b"+b", Some(2)).await.unwrap();
@@ -1514,7 +1504,7 @@ async fn posix_acls_set_the_mode_follow_chmod_and_are_inherited(store: Store) {
         )
         .await
         .unwrap();
-    fs.add_inherited(sub.ino, inherited);
+    fs.add_inherited(sub, inherited);
     fs.flush_all().await;
     let again = S3Fs::new(
         store.client(),
@@ -1646,13 +1636,7 @@ async fn a_file_open_for_writing_moves_with_what_was_written() {
     let (_, stream) = fs.create(ROOT, "new", W).await.unwrap();
     fs.write(stream, 0, b"streamed", Some(1)).await.unwrap();
     let log = fs.lookup(ROOT, "log").await.unwrap();
-    let append = OpenMode {
-        write: true,
-        truncate: false,
-        append: true,
-        exclusive: false,
-    };
-    let edit = fs.open(log.ino, append).await.unwrap();
+    let edit = fs.open(log.ino, APPEND).await.unwrap();
     let reader = fs.open(log.ino, R).await.unwrap();
     fs.write(edit, 4, b"line1 ", Some(1)).await.unwrap();
     fs.rename(ROOT, "new", ROOT, "new.1", false).await.unwrap();
@@ -1881,13 +1865,7 @@ async fn content_types_are_inferred_and_kept(store: Store) {
     // Another client's type survives an edit in place, a chmod and a rename that keeps
     // the extension.
     let e = fs.lookup(ROOT, "e.dat").await.unwrap();
-    let rw = OpenMode {
-        write: true,
-        truncate: false,
-        append: false,
-        exclusive: false,
-    };
-    let fh = fs.open(e.ino, rw).await.unwrap();
+    let fh = fs.open(e.ino, RW).await.unwrap();
     fs.write(fh, 0, b"T", Some(1)).await.unwrap();
     fs.flush(fh, 1).await.unwrap();
     fs.release(fh).await.unwrap();
