@@ -32,7 +32,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-[ "$BUILD" = 1 ] && { cargo build --release --bins -q || exit 1; }
+[ "$BUILD" = 1 ] && { cargo build --release --workspace --bins -q || exit 1; }
 WORK=$(mktemp -d /tmp/cachefast.XXXXXX)
 cp target/release/s3csi target/release/s3bench "$WORK/" || exit 1
 # shellcheck source=bench/embedded.sh

@@ -33,7 +33,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-[ "$BUILD" = 1 ] && { cargo build --release --bins -q || exit 1; }
+[ "$BUILD" = 1 ] && { cargo build --release --workspace --bins -q || exit 1; }
 WORK=$(mktemp -d /tmp/lsfast.XXXXXX)
 cp target/release/s3csi target/release/s3bench "$WORK/" || exit 1
 [ -n "$BASELINE" ] && { cp "$BASELINE" "$WORK/baseline" || exit 1; }

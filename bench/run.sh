@@ -79,7 +79,7 @@ python3 -c 'import moto.server' 2>/dev/null || { echo "pip install 'moto[server]
 python3 -c 'import waitress' 2>/dev/null || echo "warning: no waitress (pip install waitress): moto will close every connection" >&2
 
 if [ "$BUILD" = 1 ]; then
-  cargo build --release --bins -q || exit 1
+  cargo build --release --workspace --bins -q || exit 1
 fi
 WORK=$(mktemp -d /tmp/s3bench.XXXXXX)
 # private copies: a rebuild during the run must not swap the binaries under it

@@ -45,6 +45,10 @@ pub struct DemoArgs {
     /// Log level of the services: error, warn, info, debug or trace (RUST_LOG overrides it)
     #[arg(long, default_value = "warn", value_parser = ["error", "warn", "info", "debug", "trace"])]
     pub log_level: String,
+    /// Clean up and exit after the self-check (the file written and read back through the
+    /// mount) instead of waiting for Ctrl-C; for scripts and the test of README's quick start
+    #[arg(long, env = "S3CSI_DEMO_EXIT", value_parser = clap::builder::BoolishValueParser::new())]
+    pub exit: bool,
 }
 
 /// Why the demo stopped short, or could not clean up.
@@ -164,7 +168,7 @@ pub fn run(args: DemoArgs) -> i32 {
             return 1;
         }
     };
-    let code = rt.block_on(Demo::new(root.clone()).run());
+    let code = rt.block_on(Demo::new(root.clone()).run(args.exit));
     drop(rt);
     if let Err(e) = std::fs::remove_dir_all(&root) {
         if e.kind() != std::io::ErrorKind::NotFound {
@@ -226,7 +230,8 @@ impl Demo {
         }
     }
 
-    async fn run(mut self) -> i32 {
+    /// `exit_after_check`: stop as soon as the mount has been checked, as if interrupted.
+    async fn run(mut self, exit_after_check: bool) -> i32 {
         use tokio::signal::unix::{signal, SignalKind};
         let (mut term, mut int) = match (
             signal(SignalKind::terminate()),
@@ -245,6 +250,7 @@ impl Demo {
         };
         let mut code = 0;
         match result {
+            Ok(()) if exit_after_check => say("\n--exit: cleaning up"),
             Ok(()) => {
                 let signal = tokio::select! {
                     _ = term.recv() => "SIGTERM",

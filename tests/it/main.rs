@@ -13,6 +13,7 @@ mod cache;
 mod credentials;
 mod csi;
 mod deferred_delete;
+mod docs;
 mod edit;
 mod empty_create;
 mod faults;
