@@ -3,7 +3,7 @@
 # behind the latency proxy, default RTT 10 ms; see bench/embedded.sh), against the raw
 # clients that set the ceiling: what a mount costs over the fastest client of the same server.
 #
-#   bench/raw_fast.sh [--size 1GiB] [--rtt MS] [--runs N] [--only "A B"] [--no-build]
+#   [S3CSI_ARGS="--flag v"] bench/raw_fast.sh [--size 1GiB] [--rtt MS] [--runs N] [--only "A B"] [--no-build]
 #
 # Rows (medians of RUNS; each mount fresh, no data cache):
 #   read of a SIZE object with `cat` (s3csi, s3fs, rclone) or by the raw clients: `s3bench
@@ -11,7 +11,8 @@
 #   same ranges);
 #   write of SIZE bytes with `dd bs=1M` into a new file (the mount's close waits for the
 #   upload) or `s3bench raw-write` (multipart, 8 MiB parts, 16 in flight);
-#   the mounter's CPU time (user + sys) per GiB moved and its peak RSS.
+#   the mounter's CPU time (user + sys) per GiB moved and its peak RSS after the read and
+#   after the write.
 # Prints a Markdown table and writes it to bench/results/raw-fast-latest.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +43,8 @@ import re; m=re.fullmatch(r'(\d+)(KiB|MiB|GiB)?','$SIZE'); n=int(m[1]); print(n*
 
 mount_one() { # NAME
   case $1 in
-    s3csi) "${CLIENT[@]}" "$WORK/s3csi" mount --foreground --endpoint-url "$EP" --force-path-style bench "$MNT" ;;
+    # shellcheck disable=SC2086 # S3CSI_ARGS: extra s3csi mount flags, split on spaces
+    s3csi) "${CLIENT[@]}" "$WORK/s3csi" mount --foreground --endpoint-url "$EP" --force-path-style ${S3CSI_ARGS:-} bench "$MNT" ;;
     rclone) rclone_mount --vfs-cache-mode off ;;
     s3fs) "${CLIENT[@]}" s3fs bench "$MNT" -f -o "url=$EP,use_path_request_style,passwd_file=$WORK/passwd-s3fs" ;;
   esac >>"$WORK/$1.log" 2>&1 &
@@ -87,6 +89,7 @@ for run in $(seq "$RUNS"); do
   for c in $CLIENTS; do
     mount_one "$c" || continue
     add "$c" read "$(timed "${CLIENT[@]}" cat "$MNT/big.bin")"
+    add "$c" rssr "$(peak_rss_mib)"
     add "$c" write "$(timed "${CLIENT[@]}" dd if=/dev/zero of="$MNT/w-$c-$run.bin" bs=1M count=$((BYTES >> 20)) conv=fsync status=none)"
     add "$c" cpu "$(cpu_s)"
     add "$c" rss "$(peak_rss_mib)"
@@ -99,7 +102,7 @@ med() { echo "${T[$1,$2]:-}" | median; }
 {
   echo "Sequential $SIZE on the embedded S3 server, RTT $RTT ms, median of $RUNS runs ($(git rev-parse --short HEAD))"
   echo
-  echo "| client | read MB/s | ÷ fastest raw read | write MB/s | ÷ raw write | mounter CPU s per GiB read+written | peak RSS MiB |"
+  echo "| client | read MB/s | ÷ fastest raw read | write MB/s | ÷ raw write | mounter CPU s per GiB read+written | peak RSS MiB: read / read+write |"
   echo "|---|---|---|---|---|---|---|"
   rr=$(med s3bench read) br=$(med boto3 read) rw=$(med s3bench write)
   best=$(awk -v a="$rr" -v b="$br" 'BEGIN { print (a < b) ? a : b }')
@@ -107,6 +110,6 @@ med() { echo "${T[$1,$2]:-}" | median; }
   echo "| raw: boto3, 16 threads | $(rate "$br") | $(awk -v b="$best" -v s="$br" 'BEGIN { printf "%.2f", b / s }') | – | – | – | – |"
   for c in $CLIENTS; do
     r=$(med "$c" read) w=$(med "$c" write)
-    echo "| $c | $(rate "$r") | $(awk -v b="$best" -v s="$r" 'BEGIN { printf "%.2f", b / s }') | $(rate "$w") | $(awk -v b="$rw" -v s="$w" 'BEGIN { printf "%.2f", b / s }') | $(awk -v c="$(med "$c" cpu)" -v g="$BYTES" 'BEGIN { printf "%.2f", c / (2 * g / 1073741824) }') | $(med "$c" rss) |"
+    echo "| $c | $(rate "$r") | $(awk -v b="$best" -v s="$r" 'BEGIN { printf "%.2f", b / s }') | $(rate "$w") | $(awk -v b="$rw" -v s="$w" 'BEGIN { printf "%.2f", b / s }') | $(awk -v c="$(med "$c" cpu)" -v g="$BYTES" 'BEGIN { printf "%.2f", c / (2 * g / 1073741824) }') | $(med "$c" rssr) / $(med "$c" rss) |"
   done
 } | tee "$OUT"

@@ -604,4 +604,77 @@ mod tests {
             }
         }
     }
+
+    /// The chart's comments name mount options, their defaults and pages of docs/: each
+    /// option in a `mountOptions` example is one of the table's, with a value it accepts;
+    /// each "NAME (default X)" gives the table's default; each `docs/PAGE.md, "Heading"`
+    /// names a page and a heading that exist (README once held these and moved).
+    #[test]
+    fn chart_comments_follow_the_options_table_and_the_docs() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let values = std::fs::read_to_string(root.join("charts/s3csi/values.yaml")).unwrap();
+        // The comments as one text: a list or a phrase may continue on the next line.
+        let text: String = values
+            .lines()
+            .filter_map(|l| l.trim_start().strip_prefix('#'))
+            .map(|l| l.trim())
+            .collect::<Vec<_>>()
+            .join(" ");
+        let mut examples = 0;
+        for (at, _) in text.match_indices("mountOptions") {
+            let rest = &text[at..];
+            let (Some(open), Some(close)) = (rest.find('['), rest.find(']')) else {
+                continue;
+            };
+            if open > 60 || close < open {
+                continue;
+            }
+            let list: Vec<String> = rest[open + 1..close]
+                .split(',')
+                .map(|i| i.trim().trim_matches('"').to_string())
+                .collect();
+            let mut cfg = crate::config::MountConfig::new(
+                crate::config::BucketSource::new("my-bucket", "").unwrap(),
+            );
+            cfg.apply_option_list(&list.join(","))
+                .unwrap_or_else(|e| panic!("values.yaml: mountOptions {list:?}: {e}"));
+            examples += 1;
+        }
+        assert!(
+            examples >= 2,
+            "values.yaml: {examples} mountOptions examples found"
+        );
+        for spec in MOUNT_OPTIONS {
+            let OptionValue::Text {
+                default: OptionDefault::Value(default),
+                ..
+            } = spec.value
+            else {
+                continue;
+            };
+            let phrase = format!("{} (default ", spec.name);
+            for (at, _) in text.match_indices(&phrase) {
+                let cited = text[at + phrase.len()..].split(')').next().unwrap();
+                assert_eq!(cited, default, "values.yaml: {phrase}{cited})");
+            }
+        }
+        for (at, _) in text.match_indices("docs/") {
+            let page = text[at..]
+                .split(|c: char| !(c.is_alphanumeric() || "/._-".contains(c)))
+                .next()
+                .unwrap()
+                .trim_end_matches('.');
+            let doc = std::fs::read_to_string(root.join(page))
+                .unwrap_or_else(|e| panic!("values.yaml names {page}: {e}"));
+            let after = &text[at + page.len()..];
+            if let Some(quoted) = after.strip_prefix(", \"") {
+                let heading = quoted.split('"').next().unwrap();
+                assert!(
+                    doc.lines()
+                        .any(|l| l.starts_with('#') && l.trim_start_matches('#').trim() == heading),
+                    "values.yaml: {page} has no heading \"{heading}\""
+                );
+            }
+        }
+    }
 }

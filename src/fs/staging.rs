@@ -228,8 +228,9 @@ impl StagingArea {
         }
     }
 
-    /// Moves `data` to `lost+found` as `<seconds>-<key with / as %2F>`, with a `.json`
-    /// naming the key; returns where it went.
+    /// Moves `data` to `lost+found` as `<seconds>-<key with / as %2F>`, with a note
+    /// `<that name>.note.json` naming the key (appended, not an extension replaced: an edit
+    /// of `x.json` would otherwise be overwritten by its own note); returns where it went.
     fn keep_lost(
         &self,
         data: &Path,
@@ -247,7 +248,7 @@ impl StagingArea {
         name.truncate(200);
         let mut at = dir.join(&name);
         let mut n = 1;
-        while at.exists() {
+        while at.exists() || lost_note(&at).exists() {
             at = dir.join(format!("{name}.{n}"));
             n += 1;
         }
@@ -258,9 +259,16 @@ impl StagingArea {
             "why": why,
             "note": "bytes of the edited version that were never read through the mount are zeros here",
         });
-        std::fs::write(at.with_extension("json"), note.to_string())?;
+        std::fs::write(lost_note(&at), note.to_string())?;
         Ok(at)
     }
+}
+
+/// The note beside an edit kept in `lost+found`.
+pub fn lost_note(kept: &Path) -> PathBuf {
+    let mut name = kept.as_os_str().to_owned();
+    name.push(".note.json");
+    PathBuf::from(name)
 }
 
 fn lock_vec<T>(m: &std::sync::Mutex<Vec<T>>) -> std::sync::MutexGuard<'_, Vec<T>> {
@@ -1096,6 +1104,21 @@ mod tests {
         assert_eq!(mem.get("k").unwrap().as_ref(), &want[..]);
     }
 
+    /// The note is beside the kept edit, never over it: an edit of `d.json` once became
+    /// `<secs>-d.json` and its note was written to the same path.
+    #[tokio::test]
+    async fn a_kept_edit_of_a_json_file_keeps_its_bytes_beside_its_note() {
+        let mem = Arc::new(MemClient::new());
+        mem.insert("d.json", pattern(100, 1));
+        let area = StagingArea::temporary(u64::MAX).unwrap();
+        let mut f = staged(&mem, &area, "d.json").await;
+        f.write(5, b"mine").unwrap();
+        let at = f.keep_lost("test").unwrap();
+        assert_eq!(&std::fs::read(&at).unwrap()[5..9], b"mine");
+        let note = std::fs::read_to_string(lost_note(&at)).unwrap();
+        assert!(note.contains("\"key\":\"d.json\""), "{note}");
+    }
+
     #[tokio::test]
     async fn a_version_replaced_meanwhile_is_never_overwritten() {
         let mem = Arc::new(MemClient::new());
@@ -1113,7 +1136,7 @@ mod tests {
             let at = f.keep_lost("test").unwrap();
             let kept = std::fs::read(&at).unwrap();
             assert_eq!(&kept[5..9], b"mine");
-            let note = std::fs::read_to_string(at.with_extension("json")).unwrap();
+            let note = std::fs::read_to_string(lost_note(&at)).unwrap();
             assert!(note.contains("\"key\":\"k\""), "{note}");
         }
     }

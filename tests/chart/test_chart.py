@@ -186,6 +186,12 @@ def test_typo_values_fail_the_schema() -> None:
         {"metrics": {"port": 65536}},
         {"metrics": {"scrapeAnnotations": "yes"}},
         {"metrics": {"prot": 9809}},
+        {"dashboard": {"enabled": "true"}},
+        {"dashboard": {"enable": True}},
+        {"dashboard": {"namespace": "Monitoring"}},
+        {"dashboard": {"labels": {"grafana_dashboard": 1}}},
+        {"dashboard": {"labels": ["grafana_dashboard"]}},
+        {"dashboard": {"annotations": {"grafana_folder": True}}},
         {"mounter": {"mode": "bogus"}},
         {"mounter": {"mode": "Pod"}},
         {"mounter": {"mode": None}},
@@ -1590,3 +1596,257 @@ def test_node_state_dir_and_extra_env() -> None:
     assert host_path(pod, "state-dir") == "/srv/s3csi"
     assert mount_of(s3csi, "state-dir")["mountPath"] == "/srv/s3csi"
     assert s3csi["env"][-2:] == env
+
+
+# --- Grafana dashboard (dashboard.*, dashboards/s3csi.json) -----------------------------------
+
+DASHBOARD = CHART_DIR / "dashboards" / "s3csi.json"
+METRICS_DOC = REPO / "docs" / "metrics.md"
+# What every panel and query asks for: the Prometheus chosen in the `datasource` variable.
+DATASOURCE_REF = {"type": "prometheus", "uid": "${datasource}"}
+_METRIC_KINDS = ("Counter", "Gauge", "Histogram")
+_STRING = r'"(?:[^"\\]|\\.)*"'
+
+
+def _rust_sources_without_tests() -> dict[str, str]:
+    """src/**/*.rs, path -> text up to its `#[cfg(test)] mod` (tests register made-up names)."""
+    return {
+        str(p.relative_to(REPO)): re.split(r"#\[cfg\(test\)\]\s*mod \w+\s*\{", p.read_text())[0]
+        for p in sorted((REPO / "src").rglob("*.rs"))
+    }
+
+
+def _declared_kind(ident: str, src: str) -> str:
+    """Counter, Gauge or Histogram: the type of the field or binding `ident`
+    (`ident: Family<L, Counter>`, `let ident = Family::<L, Gauge>::default()`, `ident: Counter`)."""
+    kinds = "|".join(_METRIC_KINDS)
+    pattern = rf"\b{re.escape(ident)}\s*(?::|=)\s*(?:Family(?:::)?<\s*\w+\s*,\s*({kinds})\b|({kinds})\b)"
+    found = {a or b for a, b in re.findall(pattern, src)}
+    assert len(found) == 1, f"metric {ident!r}: cannot tell its type from src/ (found {found})"
+    return found.pop()
+
+
+def exported_metrics() -> dict[str, str]:
+    """Every metric family the Rust code registers, name as registered -> Counter, Gauge or
+    Histogram, read from src/ (so that it follows the code):
+    - `register("name", "help", x.clone())`: prometheus-client's registry; x's declared type;
+    - `gauge("name", ...)` / `counter("name", ...)`: metrics::Registry's and Sampled's
+      collectors read at scrape time;
+    - `let table: [...] = [("name", "help", ...), ...]; for (..) in table { ...counter(name...`.
+    Every "s3csi_..." string literal outside tests must be one of these."""
+    sources = _rust_sources_without_tests()
+    src = "\n".join(sources.values())
+    kinds: dict[str, str] = {}
+    for name, value in re.findall(
+        rf'\bregister\(\s*"(s3csi_\w+)"\s*,\s*{_STRING}\s*,\s*([\w.]+?)(?:\.clone\(\))?\s*,?\s*\)', src
+    ):
+        kinds[name] = _declared_kind(value.rsplit(".", 1)[-1], src)
+    for kind, name in re.findall(r'\b(gauge|counter)\(\s*"(s3csi_\w+)"', src):
+        kinds[name] = kind.capitalize()
+    for table, body in re.findall(r"let (\w+)\s*:\s*\[[^=]*=\s*\[(.*?)\];", src, re.DOTALL):
+        loop = re.search(rf"\bin\s+{table}\b(.{{0,600}})", src, re.DOTALL)
+        kind = loop and re.search(r"\b(gauge|counter)\(", loop.group(1))
+        for name in re.findall(r'\(\s*"(s3csi_\w+)"', body):
+            assert kind, f"{name}: in table {table}, registered in no way the test knows"
+            kinds[name] = kind.group(1).capitalize()
+    literals = {m for text in sources.values() for m in re.findall(r'"(s3csi_\w+)"', text)}
+    assert literals - kinds.keys() == set(), "s3csi_* names registered in a way the test does not know"
+    return kinds
+
+
+def exported_series_names() -> set[str]:
+    """The names in the exposition: counters get `_total` (prometheus-client appends it),
+    histograms `_bucket`, `_sum` and `_count`."""
+    names = set()
+    for name, kind in exported_metrics().items():
+        if kind == "Counter":
+            assert not name.endswith("_total"), f"{name}: the encoder appends _total itself"
+            names.add(f"{name}_total")
+        elif kind == "Histogram":
+            names |= {f"{name}_bucket", f"{name}_sum", f"{name}_count"}
+        else:
+            names.add(name)
+    return names
+
+
+_PROMQL_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and",
+                    "or", "unless", "offset", "inf", "nan"}
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression selects: identifiers that are no function (not
+    followed by "("), keyword, label (in {...} or by/without/on/ignoring (...)), string,
+    range or Grafana variable."""
+    s = re.sub(_STRING, '""', expr)
+    s = re.sub(r"\{[^}]*\}", " ", s)
+    s = re.sub(r"\[[^\]]*\]", " ", s)
+    s = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", s)
+    found = re.findall(r"(?<![\w$.:])([A-Za-z_:][\w:]*)\b(?!\s*\()", s)
+    return {n for n in found if n.lower() not in _PROMQL_KEYWORDS}
+
+
+def dashboard() -> dict[str, Any]:
+    return json.loads(DASHBOARD.read_text())
+
+
+def dashboard_panels() -> list[dict[str, Any]]:
+    """Every panel, those inside collapsed rows too."""
+    panels = []
+    for p in dashboard()["panels"]:
+        panels.append(p)
+        panels.extend(p.get("panels", []))
+    return panels
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(where, PromQL) of every panel target and every query variable."""
+    queries = [(f"panel {p['id']} {p['title']!r} {t['refId']}", t["expr"])
+               for p in dashboard_panels() for t in p.get("targets", [])]
+    for v in dashboard()["templating"]["list"]:
+        if v["type"] == "query":
+            query = v["query"]["query"] if isinstance(v["query"], dict) else v["query"]
+            call = re.fullmatch(r"\s*label_values\((.*),\s*(\w+)\s*\)\s*", query)
+            assert call, f"variable {v['name']}: {query!r} is not label_values(METRIC, label)"
+            queries.append((f"variable {v['name']}", call.group(1)))
+    return queries
+
+
+def test_promql_metric_names_extraction() -> None:
+    """The extraction itself, on the shapes the dashboard uses."""
+    assert promql_metric_names(
+        'histogram_quantile(0.99, sum by (operation, le) (rate(a_bucket{instance=~"$instance", '
+        'x!~"ok|b"}[$__rate_interval]))) / on (job) group_left (v) b_total offset 5m > bool 1e3'
+    ) == {"a_bucket", "b_total"}
+    assert promql_metric_names("sum(rate(x[5m])) by (le) or vector(0)") == {"x"}
+
+
+def test_exported_metrics_are_found_in_the_code() -> None:
+    """The scan sees every kind of registration (a sample of each), with its type."""
+    kinds = exported_metrics()
+    assert kinds["s3csi_build_info"] == "Gauge"  # register(), a Family of gauges
+    assert kinds["s3csi_grpc_requests"] == "Counter"  # register(), a Family of counters
+    assert kinds["s3csi_s3_request_duration_seconds"] == "Histogram"
+    assert kinds["s3csi_mounter_scrape_errors"] == "Counter"  # register(), a bare Counter
+    assert kinds["s3csi_mounters"] == "Gauge"  # Registry::gauge()
+    assert kinds["s3csi_mounter_replacements"] == "Counter"  # Registry::counter()
+    assert kinds["s3csi_open_file_handles"] == "Gauge"  # Sampled::gauge()
+    assert kinds["s3csi_cache_misses"] == "Counter"  # a table of Sampled::counter()
+    names = exported_series_names()
+    assert {"s3csi_s3_requests_total", "s3csi_s3_request_duration_seconds_bucket",
+            "s3csi_mounts"} <= names
+    assert "s3csi_s3_requests" not in names
+
+
+def test_dashboard_queries_use_only_metrics_the_code_exports() -> None:
+    exported = exported_series_names()
+    queries = dashboard_queries()
+    assert len(queries) >= 10
+    for where, expr in queries:
+        names = promql_metric_names(expr)
+        assert names, f"{where}: no metric in {expr!r}"
+        assert names <= exported, f"{where}: {sorted(names - exported)} not exported by src/"
+
+
+def test_dashboard_shape() -> None:
+    d = dashboard()
+    assert d["uid"] == "s3csi" and d["title"]
+    assert d["schemaVersion"] >= 36  # datasource references as {type, uid} objects
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    for v in variables.values():
+        if v["type"] == "query":
+            assert v.get("datasource") == DATASOURCE_REF, v["name"]
+    # Every $variable the dashboard uses is defined ($__interval and the like are Grafana's).
+    used = set(re.findall(r"\$\{?([A-Za-z]\w*)", DASHBOARD.read_text()))
+    assert used <= set(variables), f"undefined variables: {used - set(variables)}"
+    panels = dashboard_panels()
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids)), "panel ids repeat"
+    cells: dict[tuple[int, int], int] = {}
+    for p in panels:
+        grid = p["gridPos"]
+        assert all(isinstance(grid[k], int) for k in ("h", "w", "x", "y")), p["title"]
+        assert grid["w"] > 0 and grid["h"] > 0 and grid["x"] >= 0 and grid["x"] + grid["w"] <= 24
+        for x in range(grid["x"], grid["x"] + grid["w"]):
+            for y in range(grid["y"], grid["y"] + grid["h"]):
+                assert (x, y) not in cells, f"panels {cells.get((x, y))} and {p['id']} overlap"
+                cells[(x, y)] = p["id"]
+        if p["type"] == "row":
+            assert "targets" not in p, f"row {p['title']!r} has queries"
+            continue
+        assert p.get("datasource") == DATASOURCE_REF, p["title"]
+        assert p["targets"], p["title"]
+        refs = [t["refId"] for t in p["targets"]]
+        assert len(refs) == len(set(refs)), p["title"]
+        for t in p["targets"]:
+            assert t.get("datasource") == DATASOURCE_REF, f"{p['title']} {t['refId']}"
+
+
+def test_dashboard_panels_and_metrics_are_documented() -> None:
+    """docs/metrics.md, "Dashboard", names every panel and the metrics it shows."""
+    doc = METRICS_DOC.read_text()
+    parts = re.split(r"^## Dashboard\n", doc, maxsplit=1, flags=re.MULTILINE)
+    assert len(parts) == 2, "docs/metrics.md has no \"## Dashboard\" section"
+    section = re.split(r"^#{1,2} ", parts[1], maxsplit=1, flags=re.MULTILINE)[0]
+    for p in dashboard_panels():
+        if p["type"] != "row":
+            assert p["title"] in section, f"panel {p['title']!r} not in docs/metrics.md, Dashboard"
+    metrics = exported_metrics()
+    for _, expr in dashboard_queries():
+        for name in promql_metric_names(expr):
+            family = next(m for m in metrics if name in (m, f"{m}_total") or
+                          re.fullmatch(rf"{m}_(bucket|sum|count)", name))
+            assert f"`{family}" in section, f"{family} not in docs/metrics.md, Dashboard"
+
+
+def test_dashboard_is_off_by_default(chart_values: dict[str, Any]) -> None:
+    assert chart_values["dashboard"] == {"enabled": False, "namespace": "",
+                                         "labels": {"grafana_dashboard": "1"}, "annotations": {}}
+    assert find(render_objects({}), "ConfigMap") == []
+    assert "s3csi/templates/dashboard-configmap.yaml" not in {
+        k for k, v in render_chart({}).items() if v.strip()}
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+def test_dashboard_config_map(kube_version: str) -> None:
+    objects = render_objects({"dashboard": {"enabled": True}}, kube_version=f"v{kube_version}.0")
+    cm = one(objects, "ConfigMap")
+    vendored = REPO / "tests" / "chart" / "kube-schemas" / f"v{kube_version}.json"
+    if not vendored.exists() or "v1/ConfigMap" in json.loads(vendored.read_text())["kinds"]:
+        validate_object(cm, kube_version)
+    # else: the vendored schemas of that release have no ConfigMap (vendor_kube_schemas.py's
+    # KINDS); the rest is checked all the same.
+    assert cm["metadata"]["name"] == "s3csi-dashboard"
+    assert cm["metadata"]["namespace"] == NAMESPACE
+    labels = cm["metadata"]["labels"]
+    assert labels["grafana_dashboard"] == "1"
+    assert labels["app.kubernetes.io/name"] == "s3csi"
+    assert "annotations" not in cm["metadata"]
+    assert list(cm["data"]) == ["s3csi.json"]  # the sidecar loads *.json keys
+    assert json.loads(cm["data"]["s3csi.json"]) == dashboard()
+    # Nothing else changes.
+    others = [(o["kind"], o["metadata"]["name"]) for o in objects if o is not cm]
+    assert others == [(o["kind"], o["metadata"]["name"])
+                      for o in render_objects({}, kube_version=f"v{kube_version}.0")]
+
+
+def test_dashboard_namespace_labels_and_annotations() -> None:
+    values = {"dashboard": {"enabled": True, "namespace": "monitoring",
+                            "labels": {"grafana_dashboard": None, "dashboards": "storage"},
+                            "annotations": {"grafana_folder": "Storage"}}}
+    cm = one(render_objects(values, release="storage", namespace="s3csi-system"), "ConfigMap")
+    validate_object(cm, NEWEST_KUBE)
+    assert cm["metadata"]["name"] == "storage-s3csi-dashboard"
+    assert cm["metadata"]["namespace"] == "monitoring"
+    assert cm["metadata"]["labels"]["dashboards"] == "storage"
+    assert "grafana_dashboard" not in cm["metadata"]["labels"]  # null drops the default
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "Storage"}
+
+
+@pytest.mark.parametrize("kube_version", ["v1.20.2", None])
+def test_dashboard_lint_is_clean(kube_version: str | None) -> None:
+    report = helm.lint(CHART_DIR, {"dashboard": {"enabled": True}}, strict=True,
+                       namespace=NAMESPACE, kube_version=kube_version)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []

@@ -18,12 +18,12 @@ use std::time::{Duration, Instant};
 
 const MIB: u64 = 1024 * 1024;
 
-/// The edits kept in `cache/lost+found` (not the `.json` notes beside them).
+/// The edits kept in `cache/lost+found` (not the `.note.json` notes beside them).
 fn lost_found_edits(cache: &std::path::Path) -> Vec<std::path::PathBuf> {
     fs::read_dir(cache.join("lost+found"))
         .unwrap()
         .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_none_or(|x| x != "json"))
+        .filter(|p| !p.to_string_lossy().ends_with(".note.json"))
         .collect()
 }
 
@@ -278,7 +278,7 @@ fn another_clients_overwrite_during_an_edit_is_kept_and_the_edit_goes_to_lost_fo
     let lost = lost_found_edits(&cache);
     let data = lost.first().expect("the edit is in lost+found");
     assert_eq!(&fs::read(data).unwrap()[..4], b"MINE");
-    let note = fs::read_to_string(data.with_extension("json")).unwrap();
+    let note = fs::read_to_string(s3csi::fs::staging::lost_note(data)).unwrap();
     assert!(note.contains("\"key\":\"doc\""), "{note}");
     assert!(m.log_text().contains("lost+found"), "one log line names it");
     // The next open starts from their version.
