@@ -312,7 +312,14 @@ fn a_big_directory_lists_and_stats_every_name_through_a_real_mount() {
         heads <= keys as u64 * 101 / 100,
         "{heads} HEADs for {keys} objects"
     );
-    assert!(check(&mut report, "find", format!("find {d}"), keys + 1) <= 2);
+    // For 10 s after a stat that needed a HEAD (`stat_ahead::STATTING_FOR`) the directory
+    // counts as being stat'ed, and a listing then HEADs the entries whose metadata is not
+    // known, by design (a second `ls -l`). On a loaded CI machine some entries were still
+    // unknown after `ls -l` and `find`, run within those 10 s, HEADed them; wait it out so
+    // that `find` shows what a names-only walk costs.
+    std::thread::sleep(Duration::from_millis(10_500));
+    let find_heads = check(&mut report, "find", format!("find {d}"), keys + 1);
+    assert!(find_heads <= 2, "find cost {find_heads} HEADs: {report}");
     let mut rng = Rng::new(39);
     for _ in 0..500 {
         let n = rng.pick(&names);
