@@ -629,14 +629,12 @@ mod tests {
             if open > 60 || close < open {
                 continue;
             }
-            let list: Vec<String> = rest[open + 1..close]
-                .split(',')
-                .map(|i| i.trim().trim_matches('"').to_string())
-                .collect();
+            // `-o` list syntax once the YAML quotes are gone (items are trimmed there).
+            let list = rest[open + 1..close].replace('"', "");
             let mut cfg = crate::config::MountConfig::new(
                 crate::config::BucketSource::new("my-bucket", "").unwrap(),
             );
-            cfg.apply_option_list(&list.join(","))
+            cfg.apply_option_list(&list)
                 .unwrap_or_else(|e| panic!("values.yaml: mountOptions {list:?}: {e}"));
             examples += 1;
         }
