@@ -9,7 +9,7 @@
 # 10 ms), server pinned to the last CPU. For each client, one fresh mount and, in this
 # order (as in issue 39): `ls -f` (names only), `ls -l` 6 s later, `ls -l` again 6 s later
 # (past the default 5 s metadata TTL), `find DIR | wc -l`, then unmount, mount again on the
-# same mountpoint (s3csi: the same default --cache-dir) and `ls -l`. Each walk must show
+# same mountpoint (s3csi: the same --cache-dir) and `ls -l`. Each walk must show
 # all N names and print nothing on stderr, else its cell says `error(lines)`; one that runs
 # past --walk-timeout (default 300 s) says `timeout` and ends that client's walks. Cells
 # give the seconds and the requests the proxy saw during the walk. Also the mounter's peak
@@ -54,8 +54,9 @@ DIR=big/d000
 mount_one() { # NAME
   local ep="http://127.0.0.1:$PPORT"
   case $1 in
-    s3csi) "${CLIENT[@]}" "$WORK/s3csi" mount --foreground --endpoint-url "$ep" --force-path-style bench "$MNT" ;;
-    baseline) "${CLIENT[@]}" "$WORK/baseline" mount --foreground --endpoint-url "$ep" --force-path-style bench "$MNT" ;;
+    # Each its own state directory: what one learnt about the versions is not the other's.
+    s3csi|baseline) "${CLIENT[@]}" "$WORK/$1" mount --foreground --endpoint-url "$ep" --force-path-style \
+      --cache-dir "$WORK/state-$1" bench "$MNT" ;;
     s3fs) "${CLIENT[@]}" s3fs bench "$MNT" -f -o "url=$ep,use_path_request_style,passwd_file=$WORK/passwd-s3fs" ;;
     rclone) rclone_mount ;;
   esac >>"$WORK/$1.log" 2>&1 &

@@ -107,6 +107,7 @@ async fn check_bucket(client: &AwsClient, cfg: &MountConfig) -> Result<(), Mount
         prefix: &cfg.source.prefix,
         delimiter: Some("/"),
         continuation: None,
+        start_after: None,
         max_keys: 1,
     });
     match tokio::time::timeout(Duration::from_secs(20), probe).await {

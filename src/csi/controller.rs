@@ -63,6 +63,7 @@ pub async fn delete_prefix(client: &dyn ObjectClient, prefix: &str) -> Result<us
                 prefix,
                 delimiter: None,
                 continuation: None,
+                start_after: None,
                 max_keys: 1000,
             })
             .await?;
@@ -159,6 +160,7 @@ async fn ensure_unclaimed(
             prefix: &handle.prefix,
             delimiter: None,
             continuation: None,
+            start_after: None,
             max_keys: 2,
         })
         .await?;
@@ -185,6 +187,7 @@ async fn ensure_exists(
             prefix,
             delimiter: None,
             continuation: None,
+            start_after: None,
             max_keys: 1,
         })
         .await

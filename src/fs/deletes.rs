@@ -397,6 +397,7 @@ mod tests {
                 prefix: "",
                 delimiter: None,
                 continuation: None,
+                start_after: None,
                 max_keys: 1000,
             })
             .await

@@ -63,6 +63,7 @@ impl S3Fs {
                 prefix: &dir_prefix,
                 delimiter: Some("/"),
                 continuation: None,
+                start_after: None,
                 max_keys: 1,
             }),
             marker,
@@ -238,6 +239,7 @@ impl S3Fs {
                     prefix: &key,
                     delimiter: Some("/"),
                     continuation: token.as_deref(),
+                    start_after: None,
                     max_keys: LIST_PAGE,
                 };
                 let page = match client.list(request).await {

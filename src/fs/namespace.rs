@@ -71,6 +71,7 @@ impl S3Fs {
                 prefix: &key,
                 delimiter: None,
                 continuation: None,
+                start_after: None,
                 max_keys: 2,
             })
             .await?;
@@ -612,6 +613,7 @@ impl S3Fs {
                     prefix,
                     delimiter: None,
                     continuation: token.as_deref(),
+                    start_after: None,
                     max_keys: 1000,
                 })
                 .await?;

@@ -4,6 +4,8 @@
 use super::meta::NodeType;
 use super::meta_update::unknown_meta;
 use super::*;
+use crate::s3::split_list::{last_entry, retain_range, SplitListing};
+use crate::s3::S3Result;
 
 pub(super) struct DirStream {
     pub(super) ino: u64,
@@ -11,12 +13,104 @@ pub(super) struct DirStream {
     pub(super) parent: u64,
     pub(super) buffered: VecDeque<DirEntry>,
     pub(super) next_offset: u64,
-    pub(super) token: Option<String>,
+    pub(super) listing: Listing,
+    /// The greatest entry listed so far, where a failed parallel listing resumes.
+    pub(super) last_listed: Option<String>,
     pub(super) started: bool,
     pub(super) listed_all: bool,
     /// When this listing pass began, and the table's forgotten-name count then.
     pub(super) pass_start: Option<(Instant, u64)>,
     pub(super) local_names: HashSet<String>,
+}
+
+/// Where a directory stream's LIST pages stand.
+pub(super) enum Listing {
+    First,
+    /// The pages after a truncated first one, listed ahead in parallel (`split_list.rs`).
+    Split(SplitListing),
+    /// Page after page: from a continuation token, or after an entry (where a failed
+    /// parallel listing stopped).
+    Token(String),
+    After(String),
+    Listed,
+}
+
+/// One page of `dir_key`'s children.
+async fn list_page(
+    client: &dyn ObjectClient,
+    dir_key: &str,
+    continuation: Option<&str>,
+    start_after: Option<&str>,
+) -> S3Result<ListPage> {
+    client
+        .list(ListRequest {
+            prefix: dir_key,
+            delimiter: Some("/"),
+            continuation,
+            start_after,
+            max_keys: LIST_PAGE,
+        })
+        .await
+}
+
+impl DirStream {
+    /// The next LIST page of this directory (`ahead`: the first page, fetched ahead),
+    /// `None` once every page was listed. A failed LIST is tried again by the next call.
+    async fn next_page(
+        &mut self,
+        client: &Arc<dyn ObjectClient>,
+        ahead: Option<ListPage>,
+    ) -> S3Result<Option<ListPage>> {
+        let list =
+            |continuation, start_after| list_page(&**client, &self.key, continuation, start_after);
+        let page = match &mut self.listing {
+            Listing::Listed => return Ok(None),
+            Listing::First => match ahead {
+                Some(page) => page,
+                None => list(None, None).await?,
+            },
+            Listing::Token(token) => list(Some(token), None).await?,
+            Listing::After(after) => {
+                let mut page = list(None, Some(after)).await?;
+                retain_range(&mut page, Some(after), None);
+                page
+            }
+            Listing::Split(rest) => match rest.next_page().await {
+                Some(Ok(page)) => page,
+                Some(Err(e)) => {
+                    self.listing = match self.last_listed.clone() {
+                        Some(after) => Listing::After(after),
+                        None => Listing::First,
+                    };
+                    return Err(e);
+                }
+                None => {
+                    self.listing = Listing::Listed;
+                    return Ok(None);
+                }
+            },
+        };
+        if let Some(last) = last_entry(&page) {
+            self.last_listed = Some(last.to_string());
+        }
+        self.listing = match std::mem::replace(&mut self.listing, Listing::Listed) {
+            Listing::Split(rest) => Listing::Split(rest),
+            Listing::First if page.next_token.is_some() => {
+                Listing::Split(SplitListing::continuing(
+                    client.clone(),
+                    self.key.clone(),
+                    Some("/".into()),
+                    &page,
+                    LIST_PAGE,
+                ))
+            }
+            _ => page
+                .next_token
+                .clone()
+                .map_or(Listing::Listed, Listing::Token),
+        };
+        Ok(Some(page))
+    }
 }
 
 /// A listing name is shown only if it is a valid single path component (longer than
@@ -151,7 +245,8 @@ impl S3Fs {
                 parent: d.parent,
                 buffered: VecDeque::new(),
                 next_offset: 1,
-                token: None,
+                listing: Listing::First,
+                last_listed: None,
                 started: false,
                 listed_all: false,
                 pass_start: None,
@@ -226,7 +321,8 @@ impl S3Fs {
             // rewinddir or a seek backwards: start the listing over.
             d.buffered.clear();
             d.next_offset = 1;
-            d.token = None;
+            d.listing = Listing::First;
+            d.last_listed = None;
             d.started = false;
             d.listed_all = false;
             d.pass_start = None;
@@ -281,27 +377,20 @@ impl S3Fs {
             }
             return Ok(());
         }
-        let first_page = d.token.is_none();
+        let first_page = matches!(d.listing, Listing::First);
         let ahead = match first_page {
             true => self.page_fetched_ahead(d.ino).await,
             false => None,
         };
-        let page = match ahead {
-            Some((page, sent, forgotten)) => {
-                // The listing began when that LIST was sent.
-                d.pass_start = Some((sent, forgotten));
-                page
-            }
-            None => {
-                self.client
-                    .list(ListRequest {
-                        prefix: &d.key,
-                        delimiter: Some("/"),
-                        continuation: d.token.as_deref(),
-                        max_keys: LIST_PAGE,
-                    })
-                    .await?
-            }
+        let ahead = ahead.map(|(page, sent, forgotten)| {
+            // The listing began when that LIST was sent.
+            d.pass_start = Some((sent, forgotten));
+            page
+        });
+        let Some(page) = d.next_page(&self.client, ahead).await? else {
+            d.listed_all = true;
+            self.note_listed_all(d);
+            return Ok(());
         };
         let mut entries = page_entries(&d.key, &page, self.mount_time);
         entries.retain(|e| !d.local_names.contains(&e.name));
@@ -335,7 +424,7 @@ impl S3Fs {
             }
             self.stat_ahead.note_page(d.ino, inos);
         }
-        let mut t = self.inodes();
+        let t = self.inodes();
         let subdirs: Vec<u64> = listed
             .iter()
             .filter(|(_, kind, ..)| *kind == Kind::Dir)
@@ -351,16 +440,24 @@ impl S3Fs {
             };
             push(d, ino, kind, node, name, Some(version));
         }
-        d.token = page.next_token;
-        d.listed_all = d.token.is_none();
-        if let (true, Some((started, forgotten))) = (d.listed_all, d.pass_start) {
-            // Every child is in the table now, unless some were dropped meanwhile.
-            if forgotten == t.forgotten_names {
-                if let Some(dir) = t.get_mut(d.ino) {
-                    dir.complete_as_of = Some(started);
-                }
-            }
+        drop(t);
+        d.listed_all = matches!(d.listing, Listing::Listed);
+        if d.listed_all {
+            self.note_listed_all(d);
         }
         Ok(())
+    }
+
+    /// Every child is in the table now, unless some were dropped meanwhile.
+    fn note_listed_all(&self, d: &DirStream) {
+        let Some((started, forgotten)) = d.pass_start else {
+            return;
+        };
+        let mut t = self.inodes();
+        if forgotten == t.forgotten_names {
+            if let Some(dir) = t.get_mut(d.ino) {
+                dir.complete_as_of = Some(started);
+            }
+        }
     }
 }

@@ -96,6 +96,7 @@ impl Store {
                 prefix: "",
                 delimiter: None,
                 continuation: None,
+                start_after: None,
                 max_keys: 1000,
             })
             .await
@@ -878,6 +879,7 @@ async fn a_listing_stale_about_names_still_confirms_the_unchanged_siblings() {
             prefix: "d/",
             delimiter: Some("/"),
             continuation: None,
+            start_after: None,
             max_keys: 1000,
         })
         .await

@@ -135,6 +135,7 @@ impl S3Fs {
                             prefix: &key,
                             delimiter: Some("/"),
                             continuation: None,
+                            start_after: None,
                             max_keys: LIST_PAGE,
                         };
                         let page = match client.list(request).await {

@@ -474,6 +474,7 @@ impl ObjectClient for AwsClient {
             .prefix(req.prefix)
             .set_delimiter(req.delimiter.map(str::to_string))
             .set_continuation_token(req.continuation.map(str::to_string))
+            .set_start_after(req.start_after.map(str::to_string))
             .max_keys(req.max_keys)
             .send()
             .await

@@ -184,6 +184,9 @@ impl ObjectClient for MemClient {
             if !key.starts_with(req.prefix) {
                 break;
             }
+            if req.continuation.is_none() && req.start_after.is_some_and(|a| key.as_str() <= a) {
+                continue;
+            }
             let rest = &key[req.prefix.len()..];
             let common = req.delimiter.and_then(|d| {
                 rest.find(d)

@@ -8,6 +8,7 @@
 pub mod aws;
 pub mod mem;
 pub mod metered;
+pub mod split_list;
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -92,6 +93,8 @@ pub struct ListRequest<'a> {
     pub prefix: &'a str,
     pub delimiter: Option<&'a str>,
     pub continuation: Option<&'a str>,
+    /// Keys after this one only (ignored with a continuation token, as S3 does).
+    pub start_after: Option<&'a str>,
     pub max_keys: i32,
 }
 

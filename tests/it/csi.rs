@@ -61,6 +61,7 @@ async fn keys(client: &AwsClient, prefix: &str) -> Vec<String> {
             prefix,
             delimiter: None,
             continuation: None,
+            start_after: None,
             max_keys: 1000,
         })
         .await

@@ -156,6 +156,7 @@ fn list_pages(
             prefix,
             delimiter,
             continuation: token.as_deref(),
+            start_after: None,
             max_keys,
         }))
         .unwrap();
@@ -472,6 +473,7 @@ fn check_ranged_get(t: &Target) {
             prefix: "",
             delimiter: Some("/"),
             continuation: None,
+            start_after: None,
             max_keys: 10
         }))
         .map(|_| ()),

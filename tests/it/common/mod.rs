@@ -469,6 +469,7 @@ pub fn s3_keys(bucket: &str, prefix: &str) -> Vec<String> {
                 prefix,
                 delimiter: None,
                 continuation: token.as_deref(),
+                start_after: None,
                 max_keys: 1000,
             }))
             .unwrap();
