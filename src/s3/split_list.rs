@@ -294,6 +294,12 @@ async fn run(
                     }
                 }
             }
+            // Not reached (the front range has a page ready or a LIST in flight); were it,
+            // an error, never an end that would make the listing look complete.
+            else => {
+                let _ = tx.send(Err(S3Error::Other("parallel listing stalled".into()))).await;
+                return;
+            }
         }
     }
 }
