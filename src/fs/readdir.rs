@@ -17,7 +17,6 @@ pub(super) struct DirStream {
     /// The greatest entry listed so far, where a failed parallel listing resumes.
     pub(super) last_listed: Option<String>,
     pub(super) started: bool,
-    pub(super) listed_all: bool,
     /// When this listing pass began, and the table's forgotten-name count then.
     pub(super) pass_start: Option<(Instant, u64)>,
     pub(super) local_names: HashSet<String>,
@@ -248,7 +247,6 @@ impl S3Fs {
                 listing: Listing::First,
                 last_listed: None,
                 started: false,
-                listed_all: false,
                 pass_start: None,
                 local_names: HashSet::new(),
             })))),
@@ -324,7 +322,6 @@ impl S3Fs {
             d.listing = Listing::First;
             d.last_listed = None;
             d.started = false;
-            d.listed_all = false;
             d.pass_start = None;
             d.local_names.clear();
         }
@@ -332,7 +329,7 @@ impl S3Fs {
             while d.buffered.front().is_some_and(|e| e.offset <= offset) {
                 d.buffered.pop_front();
             }
-            if !d.buffered.is_empty() || d.listed_all {
+            if !d.buffered.is_empty() || matches!(d.listing, Listing::Listed) {
                 break;
             }
             self.fill(&mut d).await?;
@@ -388,7 +385,6 @@ impl S3Fs {
             page
         });
         let Some(page) = d.next_page(&self.client, ahead).await? else {
-            d.listed_all = true;
             self.note_listed_all(d);
             return Ok(());
         };
@@ -441,8 +437,7 @@ impl S3Fs {
             push(d, ino, kind, node, name, Some(version));
         }
         drop(t);
-        d.listed_all = matches!(d.listing, Listing::Listed);
-        if d.listed_all {
+        if matches!(d.listing, Listing::Listed) {
             self.note_listed_all(d);
         }
         Ok(())
