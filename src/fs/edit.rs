@@ -118,6 +118,7 @@ impl S3Fs {
             part_size: self.cfg.part_size,
             concurrency: self.cfg.max_concurrency,
             budget: self.upload_budget.clone(),
+            conditions: self.conditional_writes.clone(),
         }
     }
 

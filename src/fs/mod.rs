@@ -269,6 +269,8 @@ pub struct S3Fs {
     /// Set by `flush_all`: from then on every close waits for its upload.
     stopping: AtomicBool,
     staging: std::sync::OnceLock<Arc<staging::StagingArea>>,
+    /// Whether writes go with `If-Match`/`If-None-Match` (see `start_background`).
+    conditional_writes: Arc<crate::s3::ConditionalWrites>,
     /// `--data-cache` (see `open_staging`).
     data_cache: std::sync::OnceLock<Arc<cache::DataCache>>,
     memory_cache: Option<Arc<memcache::MemoryCache>>,
@@ -370,6 +372,7 @@ impl S3Fs {
             create_slots: Arc::new(Semaphore::new(CREATE_PUTS_IN_FLIGHT)),
             stopping: AtomicBool::new(false),
             staging: std::sync::OnceLock::new(),
+            conditional_writes: Default::default(),
             data_cache: std::sync::OnceLock::new(),
             memory_cache,
             staged: Mutex::new(HashMap::new()),
@@ -397,11 +400,11 @@ impl S3Fs {
                     crate::s3::honours_conditional_writes(fs.deletes.unordered().as_ref(), &key),
                 )
                 .await;
-                match (answer, fs.staging()) {
-                    (Ok(Some(false)), Ok(area)) => area.without_conditional_writes(
-                        "a PUT with If-Match on a missing key was not refused",
-                    ),
-                    (Ok(Some(true)), _) => tracing::debug!("the store honours conditional writes"),
+                match answer {
+                    Ok(Some(false)) => fs
+                        .conditional_writes
+                        .not_honoured("a PUT with If-Match on a missing key was not refused"),
+                    Ok(Some(true)) => tracing::debug!("the store honours conditional writes"),
                     _ => tracing::debug!(
                         "could not tell whether the store honours conditional writes"
                     ),

@@ -20,14 +20,16 @@
 use super::error::{FsError, FsResult};
 use super::ranges::RangeSet;
 use super::upload::{UploadBudget, MIN_PART};
-use crate::s3::{CompletedPart, ObjectClient, ObjectMeta, S3Error, UserMeta, WriteCondition};
+use crate::s3::{
+    CompletedPart, ConditionalWrites, ObjectClient, ObjectMeta, S3Error, UserMeta, WriteCondition,
+};
 use bytes::Bytes;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Smallest ranged GET that brings back bytes of the old version: 4 KiB page reads of a
@@ -54,8 +56,6 @@ pub struct StagingArea {
     next_id: AtomicU64,
     /// Removed with the area: a private directory nobody asked to keep.
     temporary: bool,
-    /// Cleared at the first conditional write the store refuses as not implemented.
-    conditional_writes: AtomicBool,
     /// Edits a dead predecessor kept for upload (`--write-back`), for the mount to commit.
     recovered: std::sync::Mutex<Vec<StagedFile>>,
     /// Told when staged files took more space (the data cache then makes room).
@@ -108,7 +108,6 @@ impl StagingArea {
             used: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
             temporary,
-            conditional_writes: AtomicBool::new(true),
             recovered: Default::default(),
             on_growth: Default::default(),
         };
@@ -124,16 +123,6 @@ impl StagingArea {
 
     pub fn dir(&self) -> &Path {
         &self.dir
-    }
-
-    /// The store does not honour conditional writes (seen at mount, or refused as not
-    /// implemented): commits go without conditions from now on, with one warning.
-    pub fn without_conditional_writes(&self, why: &str) {
-        if self.conditional_writes.swap(false, Ordering::Relaxed) {
-            tracing::warn!(reason = %why,
-                "the S3 store does not honour conditional writes: edits in place are \
-                 last-writer-wins on this mount");
-        }
     }
 
     pub fn used(&self) -> u64 {
@@ -290,6 +279,7 @@ pub struct CommitConfig {
     pub part_size: u64,
     pub concurrency: usize,
     pub budget: UploadBudget,
+    pub conditions: Arc<ConditionalWrites>,
 }
 
 pub struct StagedFile {
@@ -803,29 +793,23 @@ impl StagedFile {
         Ok(Some(meta))
     }
 
-    /// Runs a conditional write, once more without its condition where the store does
-    /// not implement conditional writes (then never again on this mount: one warning).
+    /// Runs a write on the condition that the base version is still there (or, for a
+    /// create, that nothing is), as far as the store honours conditions.
     async fn conditional<F, Fut>(&self, cfg: &CommitConfig, send: F) -> FsResult<ObjectMeta>
     where
         F: Fn(Arc<dyn ObjectClient>, Option<WriteCondition>) -> Fut,
         Fut: std::future::Future<Output = Result<ObjectMeta, S3Error>>,
     {
-        let cond = match (
-            &self.base_etag,
-            self.area.conditional_writes.load(Ordering::Relaxed),
-        ) {
-            (Some(etag), true) => Some(WriteCondition::IfMatch(etag.clone())),
+        let cond = match &self.base_etag {
+            Some(etag) => Some(WriteCondition::IfMatch(etag.clone())),
             // Not for an empty body: moto never answers a conditional PUT of one.
-            (None, true) if self.create_only && self.size > 0 => Some(WriteCondition::IfNoneMatch),
-            _ => None,
+            None if self.create_only && self.size > 0 => Some(WriteCondition::IfNoneMatch),
+            None => None,
         };
-        match send(cfg.client.clone(), cond.clone()).await {
-            Err(S3Error::NotImplemented(why)) if cond.is_some() => {
-                self.area.without_conditional_writes(&why);
-                send(cfg.client.clone(), None).await.map_err(FsError::S3)
-            }
-            other => other.map_err(FsError::S3),
-        }
+        cfg.conditions
+            .send(cond, |cond| send(cfg.client.clone(), cond))
+            .await
+            .map_err(FsError::S3)
     }
 
     async fn commit_multipart(
@@ -1013,6 +997,7 @@ mod tests {
             part_size: 5 * MIB,
             concurrency: 4,
             budget: UploadBudget::new(64 * MIB),
+            conditions: Default::default(),
         }
     }
 

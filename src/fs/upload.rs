@@ -12,7 +12,9 @@
 use super::cache::DataCache;
 use super::error::{FsError, FsResult};
 use super::prefetch::BUDGET_UNIT;
-use crate::s3::{CompletedPart, ObjectClient, ObjectMeta, S3Error, WriteCondition};
+use crate::s3::{
+    CompletedPart, ConditionalWrites, ObjectClient, ObjectMeta, S3Error, WriteCondition,
+};
 use bytes::{Bytes, BytesMut};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -84,8 +86,9 @@ pub struct Upload {
     /// one was started, was created with.
     meta: Option<crate::s3::UserMeta>,
     meta_sent: Option<crate::s3::UserMeta>,
-    /// The object must not exist when it is written (`If-None-Match: *`, see `create_only`).
-    create_only: bool,
+    /// The object must not exist when it is written (`If-None-Match: *`, see `create_only`),
+    /// as far as the store honours conditions.
+    create_only: Option<Arc<ConditionalWrites>>,
     /// What was sent, kept for the data cache until S3 names the version (see `keep_for`).
     kept: Option<KeptForCache>,
 }
@@ -148,7 +151,7 @@ impl Upload {
             failed: None,
             meta: None,
             meta_sent: None,
-            create_only: false,
+            create_only: None,
             kept: None,
         }
     }
@@ -173,14 +176,15 @@ impl Upload {
     }
 
     /// The object is written only if the key does not exist by then (an `O_EXCL` create):
-    /// S3 refuses it otherwise (`PreconditionFailed`, EIO) and keeps what is there.
-    pub fn create_only(mut self) -> Self {
-        self.create_only = true;
+    /// S3 refuses it otherwise (`PreconditionFailed`, EIO) and keeps what is there. A
+    /// store that does not implement the condition gets the write without it.
+    pub fn create_only(mut self, conditions: Arc<ConditionalWrites>) -> Self {
+        self.create_only = Some(conditions);
         self
     }
 
     pub fn is_create_only(&self) -> bool {
-        self.create_only
+        self.create_only.is_some()
     }
 
     /// The user metadata the object is to carry. Takes effect for the multipart upload
@@ -390,15 +394,20 @@ impl Upload {
             return Err(e.clone());
         }
         // Not for an empty body: moto never answers a conditional PUT of one.
-        let cond = (self.create_only && self.written > 0).then_some(WriteCondition::IfNoneMatch);
+        let conditions = self.create_only.clone().filter(|_| self.written > 0);
+        let cond = conditions.as_ref().map(|_| WriteCondition::IfNoneMatch);
+        let conditions = conditions.unwrap_or_default();
         let rest_at = self.written - self.buf.len() as u64;
         let Some(id) = self.upload_id.clone() else {
             let body = std::mem::take(&mut self.buf).freeze();
             self.keep_sent(rest_at, &body);
             self.meta_sent = self.meta.clone();
-            let meta = self
-                .client
-                .put_object_if(&self.key, body, cond.as_ref(), self.meta.as_ref())
+            let (client, key, meta) = (&self.client, &self.key, self.meta.as_ref());
+            let meta = conditions
+                .send(cond, |cond| {
+                    let body = body.clone();
+                    async move { client.put_object_if(key, body, cond.as_ref(), meta).await }
+                })
                 .await?;
             self.offer_kept(&meta);
             return Ok(meta);
@@ -412,9 +421,16 @@ impl Upload {
             self.reap_one().await?;
         }
         let parts = std::mem::take(&mut self.parts);
-        let meta = self
-            .client
-            .complete_multipart_if(&self.key, &id, parts, cond.as_ref())
+        let (client, key, id) = (&self.client, &self.key, &id);
+        let meta = conditions
+            .send(cond, |cond| {
+                let parts = parts.clone();
+                async move {
+                    client
+                        .complete_multipart_if(key, id, parts, cond.as_ref())
+                        .await
+                }
+            })
             .await?;
         self.upload_id = None;
         self.offer_kept(&meta);
@@ -473,6 +489,26 @@ mod tests {
         assert_eq!(meta.size, 23);
         assert_eq!(mem.get("k").unwrap().as_ref(), &data[..]);
         assert_eq!(mem.open_uploads(), 0);
+    }
+
+    /// An `O_EXCL` create on a store that answers 501 to `If-None-Match`: written without
+    /// the condition (one PUT, or the multipart upload completed), and the mount's later
+    /// writes send none.
+    #[tokio::test]
+    async fn exclusive_create_on_a_store_without_conditions_is_written() {
+        for size in [4usize, 23] {
+            let mem = Arc::new(MemClient::new());
+            mem.without_conditional_writes();
+            let conditions = Arc::new(ConditionalWrites::default());
+            let mut up = Upload::new(mem.clone(), "k".into(), 5, 2, UploadBudget::new(1 << 20))
+                .create_only(conditions.clone());
+            let data: Vec<u8> = (0..size as u8).collect();
+            up.write(0, &data).await.unwrap();
+            up.finish().await.unwrap();
+            assert_eq!(mem.get("k").unwrap().as_ref(), &data[..], "{size} bytes");
+            assert_eq!(mem.open_uploads(), 0);
+            assert!(!conditions.honoured());
+        }
     }
 
     #[tokio::test]

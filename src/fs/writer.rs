@@ -90,7 +90,9 @@ impl S3Fs {
             append: mode.append,
             created: true,
             state: FileState::Write(match mode.exclusive {
-                true => self.new_upload(key).create_only(),
+                true => self
+                    .new_upload(key)
+                    .create_only(self.conditional_writes.clone()),
                 false => self.new_upload(key),
             }),
         }))));

@@ -27,6 +27,8 @@ pub struct MemClient {
     gets: std::sync::atomic::AtomicU64,
     /// LIST requests answered (also counted in `metadata_requests`).
     lists: std::sync::atomic::AtomicU64,
+    /// Conditional writes answered 501, as by a store that does not implement them.
+    conditions_not_implemented: std::sync::atomic::AtomicBool,
 }
 
 impl MemClient {
@@ -102,6 +104,23 @@ impl MemClient {
     pub fn bytes_received(&self) -> u64 {
         self.bytes_received
             .load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// From now on, a write with a condition is answered `NotImplemented` (HTTP 501).
+    pub fn without_conditional_writes(&self) {
+        self.conditions_not_implemented
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn refuses(&self, cond: Option<&WriteCondition>) -> S3Result<()> {
+        match cond.is_some()
+            && self
+                .conditions_not_implemented
+                .load(std::sync::atomic::Ordering::SeqCst)
+        {
+            true => Err(S3Error::NotImplemented("conditional writes".into())),
+            false => Ok(()),
+        }
     }
 
     /// Stores `body` at `key` if `cond` holds, atomically.
@@ -246,6 +265,7 @@ impl ObjectClient for MemClient {
         cond: Option<&WriteCondition>,
         meta: Option<&UserMeta>,
     ) -> S3Result<ObjectMeta> {
+        self.refuses(cond)?;
         self.bytes_received
             .fetch_add(body.len() as u64, std::sync::atomic::Ordering::SeqCst);
         let done = self.store_if(key, body, cond)?;
@@ -289,6 +309,8 @@ impl ObjectClient for MemClient {
         parts: Vec<CompletedPart>,
         cond: Option<&WriteCondition>,
     ) -> S3Result<ObjectMeta> {
+        // Refused before the upload is touched: it can be completed without the condition.
+        self.refuses(cond)?;
         let stored = self
             .uploads
             .lock()

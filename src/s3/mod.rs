@@ -12,6 +12,7 @@ pub mod split_list;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::SystemTime;
 
 /// Largest object a single CopyObject may copy; above it we copy part by part.
@@ -112,6 +113,49 @@ pub enum WriteCondition {
 pub struct CompletedPart {
     pub part_number: i32,
     pub etag: String,
+}
+
+/// Whether this mount sends conditions with its writes: yes until the store is seen not
+/// to honour them (the probe below, or a write refused as not implemented), then never
+/// again, with one warning. Shared by every writer of a mount.
+#[derive(Debug)]
+pub struct ConditionalWrites(AtomicBool);
+
+impl Default for ConditionalWrites {
+    fn default() -> Self {
+        Self(AtomicBool::new(true))
+    }
+}
+
+impl ConditionalWrites {
+    pub fn honoured(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    pub fn not_honoured(&self, why: &str) {
+        if self.0.swap(false, Ordering::Relaxed) {
+            tracing::warn!(reason = %why,
+                "the S3 store does not honour conditional writes: edits in place are \
+                 last-writer-wins and O_EXCL creates are not exclusive on this mount");
+        }
+    }
+
+    /// Runs `send` with `cond` while conditions are honoured, and once more without it
+    /// when the store answers that it does not implement them.
+    pub async fn send<T, F, Fut>(&self, cond: Option<WriteCondition>, send: F) -> S3Result<T>
+    where
+        F: Fn(Option<WriteCondition>) -> Fut,
+        Fut: std::future::Future<Output = S3Result<T>>,
+    {
+        let cond = cond.filter(|_| self.honoured());
+        match send(cond.clone()).await {
+            Err(S3Error::NotImplemented(why)) if cond.is_some() => {
+                self.not_honoured(&why);
+                send(None).await
+            }
+            other => other,
+        }
+    }
 }
 
 /// Whether the store honours conditional writes, learnt from one PUT that must be refused:
