@@ -3,7 +3,8 @@
 # behind the latency proxy, default RTT 10 ms; see bench/embedded.sh), against the raw
 # clients that set the ceiling: what a mount costs over the fastest client of the same server.
 #
-#   [S3CSI_ARGS="--flag v"] bench/raw_fast.sh [--size 1GiB] [--rtt MS] [--runs N] [--only "A B"] [--no-build]
+#   [S3CSI_ARGS="--flag v"] bench/raw_fast.sh [--size 1GiB] [--rtt MS] [--runs N] [--only "A B"]
+#       [--baseline BIN] [--no-build]
 #
 # Rows (medians of RUNS; each mount fresh, no data cache):
 #   read of a SIZE object with `cat` (s3csi, s3fs, rclone) or by the raw clients: `s3bench
@@ -13,18 +14,22 @@
 #   upload) or `s3bench raw-write` (multipart, 8 MiB parts, 16 in flight);
 #   the mounter's CPU time (user + sys) per GiB moved and its peak RSS after the read and
 #   after the write.
+# Clients: s3csi, s3fs, rclone, and with --baseline another s3csi binary named "baseline"
+# (e.g. the last landed commit's), mounted with the same flags; odd runs go in this order,
+# even runs in the reverse one.
 # Prints a Markdown table and writes it to bench/results/raw-fast-latest.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-SIZE=1GiB RTT=10 RUNS=1 BUILD=1 ONLY=""
+SIZE=1GiB RTT=10 RUNS=1 BUILD=1 ONLY="" BASELINE=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --size) SIZE=$2; shift ;;
     --rtt) RTT=$2; shift ;;
     --runs) RUNS=$2; shift ;;
     --only) ONLY=$2; shift ;;
+    --baseline) BASELINE=$2; shift ;;
     --no-build) BUILD=0 ;;
-    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -32,6 +37,7 @@ done
 [ "$BUILD" = 1 ] && { cargo build --release --workspace --bins -q || exit 1; }
 WORK=$(mktemp -d /tmp/rawfast.XXXXXX)
 cp target/release/s3csi target/release/s3bench "$WORK/" || exit 1
+[ -n "$BASELINE" ] && { cp "$BASELINE" "$WORK/baseline" || exit 1; }
 # shellcheck source=bench/embedded.sh
 source bench/embedded.sh
 now() { date +%s.%N; }
@@ -44,7 +50,7 @@ import re; m=re.fullmatch(r'(\d+)(KiB|MiB|GiB)?','$SIZE'); n=int(m[1]); print(n*
 mount_one() { # NAME
   case $1 in
     # shellcheck disable=SC2086 # S3CSI_ARGS: extra s3csi mount flags, split on spaces
-    s3csi) "${CLIENT[@]}" "$WORK/s3csi" mount --foreground --endpoint-url "$EP" --force-path-style ${S3CSI_ARGS:-} bench "$MNT" ;;
+    s3csi|baseline) "${CLIENT[@]}" "$WORK/$1" mount --foreground --endpoint-url "$EP" --force-path-style ${S3CSI_ARGS:-} bench "$MNT" ;;
     rclone) rclone_mount --vfs-cache-mode off ;;
     s3fs) "${CLIENT[@]}" s3fs bench "$MNT" -f -o "url=$EP,use_path_request_style,passwd_file=$WORK/passwd-s3fs" ;;
   esac >>"$WORK/$1.log" 2>&1 &
@@ -77,6 +83,7 @@ EOF
 }
 
 CLIENTS="s3csi"
+[ -n "$BASELINE" ] && CLIENTS="$CLIENTS baseline"
 command -v s3fs >/dev/null && CLIENTS="$CLIENTS s3fs"
 command -v rclone >/dev/null && CLIENTS="$CLIENTS rclone"
 [ -n "$ONLY" ] && CLIENTS=$ONLY
@@ -86,7 +93,10 @@ for run in $(seq "$RUNS"); do
   add s3bench read "$(timed "${CLIENT[@]}" "$WORK/s3bench" raw-read --endpoint "$EP" --bucket bench --key big.bin)"
   add boto3 read "$(timed boto3_read)"
   add s3bench write "$(timed "${CLIENT[@]}" "$WORK/s3bench" raw-write --endpoint "$EP" --bucket bench --key raw-w.bin --size "$SIZE")"
-  for c in $CLIENTS; do
+  # Every other run in the opposite order: no client always reads right after the same one.
+  order=$CLIENTS
+  [ $((run % 2)) = 0 ] && order=$(echo "$CLIENTS" | tr ' ' '\n' | tac | tr '\n' ' ')
+  for c in $order; do
     mount_one "$c" || continue
     add "$c" read "$(timed "${CLIENT[@]}" cat "$MNT/big.bin")"
     add "$c" rssr "$(peak_rss_mib)"

@@ -43,6 +43,7 @@ mod passthrough;
 mod pending_create;
 pub mod prefetch;
 pub mod ranges;
+mod read_ahead;
 mod readdir;
 pub mod session;
 pub mod staging;

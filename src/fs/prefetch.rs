@@ -1,9 +1,9 @@
 //! Reads one open object, turning sequential access into parallel ranged GETs.
 //!
 //! A read at the offset where the previous one ended (or inside the data already being
-//! fetched) counts as sequential: chunks ahead of it are requested concurrently, and the
-//! window of data kept in flight doubles each time a chunk is consumed, from
-//! `initial_window` up to `max_window`. Any other read is random and costs one ranged GET
+//! fetched) counts as sequential: chunks ahead of it are requested concurrently, in a
+//! window between `initial_window` and `max_window` that follows what the reader gets
+//! from the network ([`ReadAheadWindow`]). Any other read is random and costs one ranged GET
 //! of at least `MIN_RANDOM_GET`, kept until the next random GET: with direct I/O there is
 //! no page cache, so a reader that reads a footer or index in small pieces, or twice, is
 //! served from that block. Speculative chunks take their memory from a budget
@@ -13,11 +13,13 @@
 use super::cache::{DataCache, Entry, BLOCK};
 use super::error::{FsError, FsResult};
 use super::memcache::MemoryCache;
+use super::read_ahead::ReadAheadWindow;
 use crate::s3::{ObjectClient, S3Error};
 use bytes::{Bytes, BytesMut};
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 
@@ -38,8 +40,8 @@ pub struct PrefetchConfig {
 impl Default for PrefetchConfig {
     fn default() -> Self {
         Self {
-            // Two 4 MiB GETs at once from the first read; sixteen 8 MiB GETs (as many as
-            // the raw-S3 baseline keeps in flight) once the reader has kept up for a while.
+            // Two 4 MiB GETs at once from the first read; up to sixteen 8 MiB GETs (as many
+            // as the raw-S3 baseline keeps in flight) while more in flight reads faster.
             initial_window: 8 * 1024 * 1024,
             max_window: 128 * 1024 * 1024,
             max_chunk: 8 * 1024 * 1024,
@@ -128,7 +130,7 @@ pub struct Prefetcher {
     chunks: VecDeque<Chunk>,
     /// End of the last chunk requested.
     next_fetch: u64,
-    window: u64,
+    window: ReadAheadWindow,
     last_end: Option<u64>,
     /// The last random GET: (start offset, bytes).
     random_block: Option<(u64, Bytes)>,
@@ -187,7 +189,7 @@ impl Prefetcher {
             budget,
             chunks: VecDeque::new(),
             next_fetch: 0,
-            window: cfg.initial_window,
+            window: ReadAheadWindow::new(cfg.initial_window, cfg.max_window, cfg.max_chunk),
             last_end: None,
             random_block: None,
             requests: 0,
@@ -235,7 +237,7 @@ impl Prefetcher {
     fn reset(&mut self, at: u64) {
         self.chunks.clear();
         self.next_fetch = at;
-        self.window = self.cfg.initial_window;
+        self.window.reset();
     }
 
     pub async fn read(&mut self, offset: u64, len: u32) -> FsResult<Bytes> {
@@ -331,21 +333,26 @@ impl Prefetcher {
         }
         while self.chunks.front().is_some_and(|c| c.end <= offset) {
             self.chunks.pop_front();
-            self.window = (self.window * 2).min(self.cfg.max_window);
         }
+        let started = Instant::now();
         self.schedule(end);
         let out = self.collect(offset, end).await;
-        if out.is_err() {
-            self.reset(end);
+        match &out {
+            Ok((bytes, waited)) => {
+                self.window
+                    .consumed(bytes.len() as u64, *waited, started, Instant::now())
+            }
+            Err(_) => self.reset(end),
         }
         self.last_end = Some(end);
-        out
+        out.map(|(bytes, _)| bytes)
     }
 
     fn schedule(&mut self, needed_end: u64) {
-        while self.next_fetch < self.size && self.next_fetch < needed_end + self.window {
+        let window = self.window.current();
+        while self.next_fetch < self.size && self.next_fetch < needed_end + window {
             // Half a window at most, so that two GETs are in flight from the start.
-            let chunk_len = (self.window / 2)
+            let chunk_len = (window / 2)
                 .max(BUDGET_UNIT)
                 .min(self.cfg.max_chunk)
                 .max(
@@ -387,8 +394,10 @@ impl Prefetcher {
         }
     }
 
-    async fn collect(&mut self, offset: u64, end: u64) -> FsResult<Bytes> {
+    /// Bytes `offset..end` from the chunks, and how long the read waited for them.
+    async fn collect(&mut self, offset: u64, end: u64) -> FsResult<(Bytes, Duration)> {
         let mut parts: Vec<Bytes> = Vec::new();
+        let mut waited = Duration::ZERO;
         for chunk in self.chunks.iter_mut() {
             if chunk.end <= offset {
                 continue;
@@ -396,7 +405,15 @@ impl Prefetcher {
             if chunk.start >= end {
                 break;
             }
-            let bytes = chunk.bytes().await.map_err(read_error)?;
+            let bytes = if matches!(chunk.data, ChunkData::Pending(_)) {
+                let t = Instant::now();
+                let bytes = chunk.bytes().await;
+                waited += t.elapsed();
+                bytes
+            } else {
+                chunk.bytes().await
+            }
+            .map_err(read_error)?;
             if let (Some(c), false) = (&self.cache, chunk.cached) {
                 chunk.cached = true;
                 c.cache.offer_read(&c.entry, chunk.start, bytes.clone());
@@ -406,13 +423,13 @@ impl Prefetcher {
             parts.push(bytes.slice(from.min(to)..to));
         }
         if parts.len() == 1 {
-            return Ok(parts.pop().unwrap_or_default());
+            return Ok((parts.pop().unwrap_or_default(), waited));
         }
         let mut out = BytesMut::with_capacity((end - offset) as usize);
         for p in parts {
             out.extend_from_slice(&p);
         }
-        Ok(out.freeze())
+        Ok((out.freeze(), waited))
     }
 }
 
