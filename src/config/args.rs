@@ -330,6 +330,9 @@ mod tests {
             c.max_concurrency = 1 + rng.below(256) as usize;
         }
         if rng.chance() {
+            c.max_known_versions = 1000 + rng.below(1 << 32) as usize;
+        }
+        if rng.chance() {
             c.max_prefetch_memory = 8 * mib + rng.below(u64::MAX - 8 * mib);
             c.max_upload_memory = 8 * mib + rng.below(1 << 40);
         }

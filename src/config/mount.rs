@@ -129,6 +129,8 @@ pub struct MountConfig {
     pub metadata_ttl: Duration,
     /// Inodes kept in memory before idle ones are dropped.
     pub max_entries: usize,
+    /// Versions whose metadata is kept known (`known_versions.rs`).
+    pub max_known_versions: usize,
     pub part_size: u64,
     pub max_concurrency: usize,
     /// Bytes of read-ahead data all open files may hold together.
@@ -204,6 +206,7 @@ impl MountConfig {
             dir_mode: 0,
             metadata_ttl: Duration::ZERO,
             max_entries: 0,
+            max_known_versions: 0,
             part_size: 0,
             max_concurrency: 0,
             max_prefetch_memory: 0,
@@ -362,6 +365,15 @@ impl MountConfig {
                 }
                 self.max_entries = n;
             }
+            MaxKnownVersions => {
+                let n: usize = text()?
+                    .parse()
+                    .map_err(|_| invalid(key, "expected a number"))?;
+                if n < 1000 {
+                    return Err(invalid(key, "must be at least 1000"));
+                }
+                self.max_known_versions = n;
+            }
             MaxConcurrency => {
                 let n: usize = text()?
                     .parse()
@@ -443,6 +455,7 @@ impl MountConfig {
             MetadataTtl => Some(format_duration(self.metadata_ttl)),
             PartSize => Some(format_size(self.part_size)),
             MaxEntries => Some(self.max_entries.to_string()),
+            MaxKnownVersions => Some(self.max_known_versions.to_string()),
             MaxConcurrency => Some(self.max_concurrency.to_string()),
             MaxPrefetchMemory => Some(format_size(self.max_prefetch_memory)),
             MaxUploadMemory => Some(format_size(self.max_upload_memory)),

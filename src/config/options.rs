@@ -21,6 +21,7 @@ pub enum OptionId {
     NoDefaultPermissions,
     MetadataTtl,
     MaxEntries,
+    MaxKnownVersions,
     PartSize,
     MaxConcurrency,
     MaxPrefetchMemory,
@@ -350,6 +351,16 @@ pub static MOUNT_OPTIONS: &[OptionSpec] = &[
         "Directory entries (inodes) kept in memory, ~0.5 KiB each; past N, the oldest that \
          nothing uses (no open file, not held by the kernel) are dropped and listed again \
          when needed. Listings and lookups stay complete at any directory size",
+    ),
+    OptionSpec::text(
+        Id::MaxKnownVersions,
+        "max-known-versions",
+        "N",
+        Value("1000000"),
+        "Object versions whose metadata stays known apart from the inodes (~70 bytes each \
+         at most, also kept in --cache-dir), so that listing them again, after a remount \
+         too, costs no HEAD; past N, the same 3/4 to all of N (chosen by a hash of the key) stay \
+         known, so repeated walks of more versions still skip that many HEADs",
     ),
     OptionSpec::text(
         Id::PartSize,

@@ -190,11 +190,18 @@ impl InodeTable {
             evictable: VecDeque::new(),
             forgotten_names: 0,
             namespace_changes: 0,
-            known: KnownVersions::new(evict_above.max(1).saturating_mul(KNOWN_PER_ENTRY)),
+            known: KnownVersions::new(evict_above.max(1)),
             log: None,
             logged: HashSet::new(),
             recovered: HashSet::new(),
         }
+    }
+
+    /// Keeps the metadata of up to `cap` versions known apart from the inodes
+    /// (`--max-known-versions`; by default as many as inodes).
+    pub fn with_known_versions(mut self, cap: usize) -> Self {
+        self.known = KnownVersions::new(cap);
+        self
     }
 
     /// Restores the bindings a dead mounter persisted and persists new ones to `log` from
@@ -827,8 +834,6 @@ impl InodeTable {
 
 /// Inodes a listing created last that eviction leaves alone (two LIST pages).
 const RECENT_KEPT: usize = 2000;
-/// Known versions kept per `--max-entries`: their metadata outlives the inodes.
-const KNOWN_PER_ENTRY: usize = 4;
 
 /// Gives file `i` the metadata known for the version it shows, if any.
 fn recall(known: &KnownVersions, i: &mut Inode) {

@@ -107,6 +107,8 @@ pub struct FsConfig {
     pub metadata_ttl: Duration,
     /// Inode table size above which entries nobody holds are dropped (`--max-entries`).
     pub max_entries: usize,
+    /// Versions whose metadata stays known apart from the inodes (`--max-known-versions`).
+    pub max_known_versions: usize,
     pub read_only: bool,
     pub part_size: u64,
     pub max_concurrency: usize,
@@ -157,6 +159,7 @@ impl From<&MountConfig> for FsConfig {
             dir_mode: cfg.dir_mode,
             metadata_ttl: cfg.metadata_ttl,
             max_entries: cfg.max_entries,
+            max_known_versions: cfg.max_known_versions,
             read_only: cfg.read_only,
             part_size: cfg.part_size,
             max_concurrency: cfg.max_concurrency,
@@ -355,11 +358,10 @@ impl S3Fs {
         let memory_cache =
             (cfg.cache_memory > 0).then(|| Arc::new(memcache::MemoryCache::new(cfg.cache_memory)));
         Self {
-            inodes: Arc::new(Mutex::new(InodeTable::new(
-                cfg.prefix.clone(),
-                mount_time,
-                cfg.max_entries,
-            ))),
+            inodes: Arc::new(Mutex::new(
+                InodeTable::new(cfg.prefix.clone(), mount_time, cfg.max_entries)
+                    .with_known_versions(cfg.max_known_versions),
+            )),
             inode_log: std::sync::OnceLock::new(),
             client: deletes.clone(),
             deletes,
