@@ -308,6 +308,18 @@ impl MountConfig {
             }
             Ok(size)
         };
+        let count = || -> Result<usize, MountOptionError> {
+            text()?
+                .parse()
+                .map_err(|_| invalid(key, "expected a number"))
+        };
+        let count_at_least = |min: usize| {
+            let n = count()?;
+            if n < min {
+                return Err(invalid(key, format!("must be at least {min}")));
+            }
+            Ok(n)
+        };
         use OptionId::*;
         match spec.id {
             EndpointUrl => {
@@ -356,28 +368,10 @@ impl MountConfig {
                 }
                 self.part_size = size;
             }
-            MaxEntries => {
-                let n: usize = text()?
-                    .parse()
-                    .map_err(|_| invalid(key, "expected a number"))?;
-                if n < 1000 {
-                    return Err(invalid(key, "must be at least 1000"));
-                }
-                self.max_entries = n;
-            }
-            MaxKnownVersions => {
-                let n: usize = text()?
-                    .parse()
-                    .map_err(|_| invalid(key, "expected a number"))?;
-                if n < 1000 {
-                    return Err(invalid(key, "must be at least 1000"));
-                }
-                self.max_known_versions = n;
-            }
+            MaxEntries => self.max_entries = count_at_least(1000)?,
+            MaxKnownVersions => self.max_known_versions = count_at_least(1000)?,
             MaxConcurrency => {
-                let n: usize = text()?
-                    .parse()
-                    .map_err(|_| invalid(key, "expected a number"))?;
+                let n = count()?;
                 if !(1..=256).contains(&n) {
                     return Err(invalid(key, "must be between 1 and 256"));
                 }

@@ -57,10 +57,14 @@ struct Probe {
 impl ReadAheadWindow {
     /// A window from `initial` to `max` bytes, for GETs of at most `max_get` bytes.
     pub fn new(initial: u64, max: u64, max_get: u64) -> Self {
+        Self::starting(initial, max.max(initial), MIN_EPOCH_GETS * max_get)
+    }
+
+    fn starting(initial: u64, max: u64, min_epoch: u64) -> Self {
         Self {
             initial,
-            max: max.max(initial),
-            min_epoch: MIN_EPOCH_GETS * max_get,
+            max,
+            min_epoch,
             current: initial,
             epoch: None,
             settling: false,
@@ -76,14 +80,7 @@ impl ReadAheadWindow {
 
     /// A seek: what was learnt was about another stretch of reading.
     pub fn reset(&mut self) {
-        *self = Self {
-            current: self.initial,
-            epoch: None,
-            settling: false,
-            probe: None,
-            hold: 0,
-            ..*self
-        };
+        *self = Self::starting(self.initial, self.max, self.min_epoch);
     }
 
     /// A sequential read that began at `started` returned `bytes` at `now`, after waiting

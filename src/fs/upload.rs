@@ -13,7 +13,7 @@ use super::cache::DataCache;
 use super::error::{FsError, FsResult};
 use super::prefetch::BUDGET_UNIT;
 use crate::s3::{
-    CompletedPart, ConditionalWrites, ObjectClient, ObjectMeta, S3Error, WriteCondition,
+    CompletedPart, ConditionalWrites, ObjectClient, ObjectMeta, S3Error, S3Result, WriteCondition,
 };
 use bytes::{Bytes, BytesMut};
 use std::collections::VecDeque;
@@ -395,20 +395,17 @@ impl Upload {
         }
         // Not for an empty body: moto never answers a conditional PUT of one.
         let conditions = self.create_only.clone().filter(|_| self.written > 0);
-        let cond = conditions.as_ref().map(|_| WriteCondition::IfNoneMatch);
-        let conditions = conditions.unwrap_or_default();
         let rest_at = self.written - self.buf.len() as u64;
         let Some(id) = self.upload_id.clone() else {
             let body = std::mem::take(&mut self.buf).freeze();
             self.keep_sent(rest_at, &body);
             self.meta_sent = self.meta.clone();
             let (client, key, meta) = (&self.client, &self.key, self.meta.as_ref());
-            let meta = conditions
-                .send(cond, |cond| {
-                    let body = body.clone();
-                    async move { client.put_object_if(key, body, cond.as_ref(), meta).await }
-                })
-                .await?;
+            let meta = send_create_only(conditions.as_deref(), |cond| {
+                let body = body.clone();
+                async move { client.put_object_if(key, body, cond.as_ref(), meta).await }
+            })
+            .await?;
             self.offer_kept(&meta);
             return Ok(meta);
         };
@@ -422,16 +419,15 @@ impl Upload {
         }
         let parts = std::mem::take(&mut self.parts);
         let (client, key, id) = (&self.client, &self.key, &id);
-        let meta = conditions
-            .send(cond, |cond| {
-                let parts = parts.clone();
-                async move {
-                    client
-                        .complete_multipart_if(key, id, parts, cond.as_ref())
-                        .await
-                }
-            })
-            .await?;
+        let meta = send_create_only(conditions.as_deref(), |cond| {
+            let parts = parts.clone();
+            async move {
+                client
+                    .complete_multipart_if(key, id, parts, cond.as_ref())
+                    .await
+            }
+        })
+        .await?;
         self.upload_id = None;
         self.offer_kept(&meta);
         Ok(meta)
@@ -454,6 +450,19 @@ impl Upload {
             }
         }
         self.buf.clear();
+    }
+}
+
+/// Runs `send` with `If-None-Match: *` as `conditions` allow (a create-only upload), or
+/// without a condition.
+async fn send_create_only<T, F, Fut>(conditions: Option<&ConditionalWrites>, send: F) -> S3Result<T>
+where
+    F: Fn(Option<WriteCondition>) -> Fut,
+    Fut: std::future::Future<Output = S3Result<T>>,
+{
+    match conditions {
+        Some(c) => c.send(Some(WriteCondition::IfNoneMatch), send).await,
+        None => send(None).await,
     }
 }
 
