@@ -86,6 +86,10 @@ fn store_head(
                 i.size = m.size;
                 i.etag = m.etag;
                 i.mtime = m.mtime;
+                // As good as a listing: the stat this HEAD was started for may come more
+                // than a TTL after the page was listed (a loaded machine), and must not
+                // HEAD the object again.
+                i.validated = Some(Instant::now());
             }
             t.set_meta(ino, &h, m.mtime);
         }

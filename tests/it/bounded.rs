@@ -306,12 +306,14 @@ fn a_big_directory_lists_and_stats_every_name_through_a_real_mount() {
     report += &format!(" readdir {:.2?};", t.elapsed());
     assert!(listed == names, "readdir showed {} names", listed.len());
     let ls_f_heads = check(&mut report, "ls -f", format!("ls -f {d}"), keys + 2);
-    assert!(ls_f_heads <= 2, "ls -f cost {ls_f_heads} HEADs: {report}");
+    // None per object. `big` itself is revalidated once its 1 s TTL has passed (a probe:
+    // HEADs of `big`, `big/` and `big_$folder$`, and a LIST), on a loaded machine twice.
+    assert!(ls_f_heads <= 6, "ls -f cost {ls_f_heads} HEADs: {report}");
     let heads = check(&mut report, "ls -l", format!("ls -l {d}"), keys + 1);
     // Each object once; a few more where an entry was evicted while its HEAD ran.
     assert!(
         heads <= keys as u64 * 101 / 100,
-        "{heads} HEADs for {keys} objects"
+        "{heads} HEADs for {keys} objects: {report}"
     );
     // For 10 s after a stat that needed a HEAD (`stat_ahead::STATTING_FOR`) the directory
     // counts as being stat'ed, and a listing then HEADs the entries whose metadata is not
