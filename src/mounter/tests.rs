@@ -397,8 +397,11 @@ async fn a_dead_mounter_is_replaced_with_the_same_descriptor() {
     node.backend.crash(first);
     let status = node.manager.status(&target);
     assert!(status.problem.is_some(), "a dead mounter shows");
-    eventually("a replacement serves", || {
-        node.backend.live().len() == 1 && node.manager.replacements_total() == 1
+    // The record on disk is written last, after the counter (see `MountManager::replace`).
+    eventually("a replacement serves and is recorded", || {
+        node.backend.live().len() == 1
+            && node.manager.replacements_total() == 1
+            && node.records().first().is_some_and(|r| r.replacements == 1)
     })
     .await;
     let second = node.backend.live()[0];
