@@ -368,6 +368,7 @@ impl S3Fs {
             client: self.client.clone(),
             inodes: self.inodes.clone(),
             pending: self.pending.clone(),
+            saving: self.saving.clone(),
             content_type: self.cfg.content_type.clone(),
         }
     }
@@ -664,13 +665,34 @@ struct Saver {
     client: Arc<dyn ObjectClient>,
     inodes: Arc<Mutex<InodeTable>>,
     pending: Arc<Mutex<HashMap<u64, PendingCreate>>>,
+    saving: SavesUnderWay,
     /// For objects whose type is unknown here: the copy must name one (see
     /// `ObjectClient::replace_metadata`).
     content_type: ContentTypes,
 }
 
+/// One turn per inode whose metadata is being saved: its saves run one at a time.
+pub(super) type SavesUnderWay = Arc<Mutex<HashMap<u64, Arc<tokio::sync::Mutex<()>>>>>;
+
 impl Saver {
+    /// Saves `ino`'s pending change, after any save of it under way: that one may take
+    /// this change along, and two at once both copied the object (tar's three calls each
+    /// schedule a save, and the timers fire together).
     async fn save(&self, ino: u64) -> FsResult<()> {
+        let turn = lock(&self.saving).entry(ino).or_default().clone();
+        let result = {
+            let _turn = turn.lock().await;
+            self.save_now(ino).await
+        };
+        let mut saving = lock(&self.saving);
+        // Nobody else holds or waits for this turn (taking it needs the map's lock).
+        if Arc::strong_count(&turn) == 2 {
+            saving.remove(&ino);
+        }
+        result
+    }
+
+    async fn save_now(&self, ino: u64) -> FsResult<()> {
         // A new empty file's PUT must be in S3 before its copy.
         let done = lock(&self.pending).get(&ino).map(|p| p.done.clone());
         if let Some(done) = done {

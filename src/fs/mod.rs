@@ -269,6 +269,8 @@ pub struct S3Fs {
     mount_time: SystemTime,
     /// Empty new files whose PUT is under way, by inode.
     pending: Arc<Mutex<HashMap<u64, PendingCreate>>>,
+    /// Metadata saves under way, by inode (see `meta_update::Saver::save`).
+    saving: meta_update::SavesUnderWay,
     create_slots: Arc<Semaphore>,
     /// Set by `flush_all`: from then on every close waits for its upload.
     stopping: AtomicBool,
@@ -372,6 +374,7 @@ impl S3Fs {
             upload_budget,
             mount_time,
             pending: Arc::new(Mutex::new(HashMap::new())),
+            saving: Default::default(),
             create_slots: Arc::new(Semaphore::new(CREATE_PUTS_IN_FLIGHT)),
             stopping: AtomicBool::new(false),
             staging: std::sync::OnceLock::new(),

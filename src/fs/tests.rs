@@ -1314,6 +1314,46 @@ async fn chmod_chown_utimes_persist_in_one_copy_each_file(store: Store) {
     }
 }
 
+/// Two saves of one file's metadata at once (the timers of tar's chown, chmod and utimes
+/// fire together; an fsync meets a timer) send one CopyObject: the second waits for the
+/// first, which took its change along. Before, each copied the object.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn saves_of_one_file_run_one_at_a_time() {
+    use meta_update::SetAttrs;
+    let mem = Arc::new(MemClient::new());
+    mem.insert("f", "content");
+    let fs = S3Fs::new(
+        mem.clone(),
+        FsConfig {
+            metadata_ttl: Duration::from_secs(60),
+            // Only the saves this test starts.
+            meta_save_delay: Duration::from_secs(3600),
+            ..FsConfig::default()
+        },
+    );
+    let a = fs.lookup(ROOT, "f").await.unwrap();
+    let chmod = SetAttrs {
+        mode: Some(0o600),
+        ..Default::default()
+    };
+    fs.set_attrs(a.ino, chmod).await.unwrap();
+    let gate = mem.hold_metadata_replacements();
+    let release = async {
+        while mem.meta_replacements() == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // Time for the second save to reach the store too, if it would.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        gate.add_permits(2);
+    };
+    let (first, second, ()) = tokio::join!(fs.save_meta(a.ino), fs.save_meta(a.ino), release);
+    first.unwrap();
+    second.unwrap();
+    assert_eq!(mem.meta_replacements(), 1);
+    assert_eq!(mem.user_meta("f")["mode"], "33152");
+    assert_eq!(fs.getattr(a.ino).await.unwrap().perm, 0o600);
+}
+
 async fn new_files_directories_symlinks_and_fifos_carry_s3fs_headers(store: Store) {
     use meta_update::Creator;
     let who = Creator {

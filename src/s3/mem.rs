@@ -3,7 +3,7 @@
 
 use super::*;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 #[derive(Default)]
 pub struct MemClient {
@@ -29,6 +29,8 @@ pub struct MemClient {
     lists: std::sync::atomic::AtomicU64,
     /// Conditional writes answered 501, as by a store that does not implement them.
     conditions_not_implemented: std::sync::atomic::AtomicBool,
+    /// Metadata replacements wait for a permit here (see `hold_metadata_replacements`).
+    replacements_gate: Mutex<Option<Arc<tokio::sync::Semaphore>>>,
 }
 
 impl MemClient {
@@ -104,6 +106,14 @@ impl MemClient {
     pub fn bytes_received(&self) -> u64 {
         self.bytes_received
             .load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// From now on, each metadata replacement (counted when it arrives) waits for a
+    /// permit the test adds to the returned semaphore.
+    pub fn hold_metadata_replacements(&self) -> Arc<tokio::sync::Semaphore> {
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        *self.replacements_gate.lock().unwrap() = Some(gate.clone());
+        gate
     }
 
     /// From now on, a write with a condition is answered `NotImplemented` (HTTP 501).
@@ -417,6 +427,13 @@ impl ObjectClient for MemClient {
     ) -> S3Result<ObjectMeta> {
         self.meta_replacements
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let gate = self.replacements_gate.lock().unwrap().clone();
+        if let Some(gate) = gate {
+            gate.acquire()
+                .await
+                .map_err(|_| S3Error::Other("gate closed".into()))?
+                .forget();
+        }
         self.check_version(key, etag)?;
         // A copy onto itself: same bytes and ETag, a new Last-Modified.
         let now = SystemTime::now();
