@@ -69,6 +69,10 @@ pub fn init_reply_allows_direct_io_mmap(reply: &[u8]) -> bool {
         .unwrap_or(false)
 }
 
+/// Directory entries prepared per step of a readdir reply: the kernel's buffer takes a few
+/// dozen (4 KiB), and an entry prepared but not sent costs a pin and an attribute each.
+const REPLY_CHUNK: usize = 64;
+
 fn errno(e: &FsError) -> Errno {
     Errno::from_i32(e.errno())
 }
@@ -221,6 +225,12 @@ impl Filesystem for FuseAdapter {
     }
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let known = name.to_str().and_then(|n| self.fs.lookup_now(parent.0, n));
+        match known {
+            Some(Ok(a)) => return reply.entry(&a.ttl, &file_attr(&a), Generation(0)),
+            Some(Err(e)) => return reply.error(errno(&e)),
+            None => {}
+        }
         let fs = self.fs.clone();
         let name = name.to_owned();
         self.rt.spawn(async move {
@@ -240,6 +250,9 @@ impl Filesystem for FuseAdapter {
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        if let Some(a) = self.fs.getattr_now(ino.0) {
+            return reply.attr(&a.ttl, &file_attr(&a));
+        }
         let fs = self.fs.clone();
         self.rt.spawn(async move {
             match fs.getattr(ino.0).await {
@@ -685,17 +698,28 @@ impl Filesystem for FuseAdapter {
     ) {
         let fs = self.fs.clone();
         self.rt.spawn(async move {
-            match fs.readdir(fh.0, offset).await {
-                Ok(entries) => {
-                    for e in entries {
-                        if reply.add(INodeNo(e.ino), e.offset, file_type(e.node), &e.name) {
-                            break;
-                        }
+            let mut offset = offset;
+            let mut added = false;
+            loop {
+                let entries = match fs.readdir(fh.0, offset, REPLY_CHUNK).await {
+                    Ok(entries) => entries,
+                    // What was added goes out; the next call meets the error again.
+                    Err(_) if added => break,
+                    Err(e) => return reply.error(errno(&e)),
+                };
+                let whole_buffer = entries.len() < REPLY_CHUNK;
+                for e in entries {
+                    if reply.add(INodeNo(e.ino), e.offset, file_type(e.node), &e.name) {
+                        return reply.ok();
                     }
-                    reply.ok();
+                    added = true;
+                    offset = e.offset;
                 }
-                Err(e) => reply.error(errno(&e)),
+                if whole_buffer {
+                    break;
+                }
             }
+            reply.ok();
         });
     }
 
@@ -709,36 +733,49 @@ impl Filesystem for FuseAdapter {
     ) {
         let fs = self.fs.clone();
         self.rt.spawn(async move {
-            match fs.readdir(fh.0, offset).await {
-                Ok(entries) => {
-                    // The kernel takes a reference to every entry it receives but `.` and
-                    // `..`; only those that fit in the reply count.
-                    let mut sent = Vec::new();
-                    let mut unsent = Vec::new();
-                    let mut full = false;
-                    for (e, a) in fs.reply_entries(ino.0, entries) {
-                        let counted = e.name != "." && e.name != "..";
+            let mut offset = offset;
+            let mut added = false;
+            loop {
+                let entries = match fs.readdir(fh.0, offset, REPLY_CHUNK).await {
+                    Ok(entries) => entries,
+                    // What was added goes out; the next call meets the error again.
+                    Err(_) if added => break,
+                    Err(e) => return reply.error(errno(&e)),
+                };
+                let whole_buffer = entries.len() < REPLY_CHUNK;
+                // The kernel takes a reference to every entry it receives but `.` and
+                // `..`; only those that fit in the reply count.
+                let mut sent = Vec::new();
+                let mut unsent = Vec::new();
+                let mut full = false;
+                for (e, a) in fs.reply_entries(ino.0, entries) {
+                    let counted = e.name != "." && e.name != "..";
+                    if !full {
+                        full = reply.add(
+                            INodeNo(e.ino),
+                            e.offset,
+                            &e.name,
+                            &a.ttl,
+                            &file_attr(&a),
+                            Generation(0),
+                        );
                         if !full {
-                            full = reply.add(
-                                INodeNo(e.ino),
-                                e.offset,
-                                &e.name,
-                                &a.ttl,
-                                &file_attr(&a),
-                                Generation(0),
-                            );
-                        }
-                        match (counted, full) {
-                            (false, _) => {}
-                            (true, false) => sent.push(e.ino),
-                            (true, true) => unsent.push(e.ino),
+                            added = true;
+                            offset = e.offset;
                         }
                     }
-                    fs.settle_reply(&sent, &unsent);
-                    reply.ok();
+                    match (counted, full) {
+                        (false, _) => {}
+                        (true, false) => sent.push(e.ino),
+                        (true, true) => unsent.push(e.ino),
+                    }
                 }
-                Err(e) => reply.error(errno(&e)),
+                fs.settle_reply(&sent, &unsent);
+                if full || whole_buffer {
+                    break;
+                }
             }
+            reply.ok();
         });
     }
 

@@ -4,6 +4,18 @@
 use super::*;
 use crate::s3::UserMeta;
 
+/// What the inode table alone knows of a name (see `S3Fs::from_table`).
+enum FromTable {
+    /// Known and fresh: its attributes (with a kernel reference taken if asked).
+    Found(Attr),
+    /// Not there, and the directory's listing is fresh: no such name.
+    Absent,
+    /// Fresh from a listing, its metadata not loaded yet: one HEAD.
+    NeedsMeta(Inode),
+    /// Not known well enough: S3 must be asked.
+    Ask,
+}
+
 impl S3Fs {
     /// Asks S3 what `name` under `parent_key` is: HEAD of the file key and a one-key LIST
     /// of the directory prefix, concurrently, so a lookup costs one round trip. With
@@ -104,6 +116,40 @@ impl S3Fs {
         self.inode(attr.ino)
     }
 
+    /// The kernel's LOOKUP when the table answers it without a request (the FUSE thread
+    /// replies at once, skipping a task and a wake-up); `None`: ask `lookup`.
+    pub fn lookup_now(&self, parent: u64, name: &str) -> Option<FsResult<Attr>> {
+        check_existing_name(name).ok()?;
+        match self.from_table(parent, name, true) {
+            FromTable::Found(attr) => Some(Ok(attr)),
+            FromTable::Absent if name.len() > NAME_MAX => Some(Err(FsError::NameTooLong)),
+            FromTable::Absent => Some(Err(FsError::NotFound)),
+            FromTable::NeedsMeta(_) | FromTable::Ask => None,
+        }
+    }
+
+    /// What the table alone says of `name` under directory `parent`.
+    fn from_table(&self, parent: u64, name: &str, kernel_ref: bool) -> FromTable {
+        let mut t = self.inodes();
+        match t.child(parent, name) {
+            Some(child) if self.fresh(child) => {
+                if self.needs_meta(child) {
+                    return FromTable::NeedsMeta(child.clone());
+                }
+                let attr = self.attr_of(child);
+                if kernel_ref {
+                    t.add_lookup(attr.ino);
+                }
+                FromTable::Found(attr)
+            }
+            Some(_) => FromTable::Ask,
+            None => match t.get(parent) {
+                Some(p) if p.kind == Kind::Dir && self.listing_fresh(p) => FromTable::Absent,
+                _ => FromTable::Ask,
+            },
+        }
+    }
+
     async fn find(&self, parent: u64, name: &str, kernel_ref: bool) -> FsResult<Attr> {
         check_existing_name(name)?;
         match self.find_existing(parent, name, kernel_ref).await {
@@ -121,23 +167,11 @@ impl S3Fs {
         // the table evicts it meanwhile (a directory larger than the table's cap), it is
         // looked up again: a name that exists is never ENOENT for want of an inode.
         for _ in 0..3 {
-            let load_first = {
-                let mut t = self.inodes();
-                match t.child(parent, name) {
-                    Some(child) if self.fresh(child) => {
-                        if !self.needs_meta(child) {
-                            let attr = self.attr_of(child);
-                            if kernel_ref {
-                                t.add_lookup(attr.ino);
-                            }
-                            return Ok(attr);
-                        }
-                        child.clone()
-                    }
-                    Some(_) => break,
-                    None if self.listing_fresh(&parent_inode) => return Err(FsError::NotFound),
-                    None => break,
-                }
+            let load_first = match self.from_table(parent, name, kernel_ref) {
+                FromTable::Found(attr) => return Ok(attr),
+                FromTable::Absent => return Err(FsError::NotFound),
+                FromTable::NeedsMeta(child) => child,
+                FromTable::Ask => break,
             };
             self.load_meta_for_stat(&load_first).await;
             let mut t = self.inodes();
@@ -275,11 +309,19 @@ impl S3Fs {
         self.inodes().forget(ino, n);
     }
 
+    /// The kernel's GETATTR when the table answers it without a request; `None`: ask
+    /// `getattr`.
+    pub fn getattr_now(&self, ino: u64) -> Option<Attr> {
+        let t = self.inodes();
+        let i = t.get(ino)?;
+        ((i.kind == Kind::Dir || self.fresh(i)) && !self.needs_meta(i)).then(|| self.attr_of(i))
+    }
+
     pub async fn getattr(&self, ino: u64) -> FsResult<Attr> {
-        let i = self.inode(ino)?;
-        if (i.kind == Kind::Dir || self.fresh(&i)) && !self.needs_meta(&i) {
-            return Ok(self.attr_of(&i));
+        if let Some(attr) = self.getattr_now(ino) {
+            return Ok(attr);
         }
+        let i = self.inode(ino)?;
         if i.kind == Kind::Dir || self.fresh(&i) {
             self.load_meta_for_stat(&i).await;
             return Ok(self.attr_of(&self.inode(ino)?));

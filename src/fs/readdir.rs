@@ -305,10 +305,11 @@ impl S3Fs {
         lock(&self.handles).remove(&fh);
     }
 
-    /// Entries after `offset`. Entries stay buffered until the kernel asks for an offset
-    /// past them, so a reply buffer that fills up loses nothing. Memory is bounded by one
-    /// LIST page per open directory.
-    pub async fn readdir(&self, fh: u64, offset: u64) -> FsResult<Vec<DirEntry>> {
+    /// Up to `max` entries after `offset`, listing the next page when none is buffered.
+    /// Entries stay buffered until the kernel asks for an offset past them, so a reply
+    /// buffer that fills up loses nothing. Memory is bounded by one LIST page per open
+    /// directory. A call returning fewer than `max` has returned all that was buffered.
+    pub async fn readdir(&self, fh: u64, offset: u64, max: usize) -> FsResult<Vec<DirEntry>> {
         let Some(Handle::Dir(stream)) = self.handle(fh) else {
             return Err(FsError::BadHandle);
         };
@@ -334,7 +335,7 @@ impl S3Fs {
             }
             self.fill(&mut d).await?;
         }
-        Ok(d.buffered.iter().cloned().collect())
+        Ok(d.buffered.iter().take(max).cloned().collect())
     }
 
     pub(super) async fn fill(&self, d: &mut DirStream) -> FsResult<()> {

@@ -199,7 +199,7 @@ async fn names(fs: &S3Fs, ino: u64) -> Vec<String> {
     let mut out = Vec::new();
     let mut off = 0;
     loop {
-        let batch = fs.readdir(fh, off).await.unwrap();
+        let batch = fs.readdir(fh, off, usize::MAX).await.unwrap();
         if batch.is_empty() {
             break;
         }
@@ -1132,7 +1132,7 @@ async fn all_entries(fs: &S3Fs, ino: u64) -> Vec<DirEntry> {
     let mut out: Vec<DirEntry> = Vec::new();
     let mut off = 0;
     loop {
-        let batch = fs.readdir(fh, off).await.unwrap();
+        let batch = fs.readdir(fh, off, usize::MAX).await.unwrap();
         let Some(last) = batch.last() else { break };
         off = last.offset;
         out.extend(batch);
@@ -1791,7 +1791,7 @@ async fn a_directory_larger_than_the_entry_cap_never_loses_a_name() {
     let mut held: Vec<u64> = Vec::new();
     let mut last = String::new();
     loop {
-        let batch = fs.readdir(fh, off).await.unwrap();
+        let batch = fs.readdir(fh, off, usize::MAX).await.unwrap();
         if batch.is_empty() {
             break;
         }
