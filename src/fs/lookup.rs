@@ -4,14 +4,14 @@
 use super::*;
 use crate::s3::UserMeta;
 
-/// What the inode table alone knows of a name (see `S3Fs::from_table`).
+/// What the inode table alone knows of a name (see `S3Fs::table_answer`).
 enum FromTable {
     /// Known and fresh: its attributes (with a kernel reference taken if asked).
     Found(Attr),
     /// Not there, and the directory's listing is fresh: no such name.
     Absent,
     /// Fresh from a listing, its metadata not loaded yet: one HEAD.
-    NeedsMeta(Inode),
+    NeedsMeta(Box<Inode>),
     /// Not known well enough: S3 must be asked.
     Ask,
 }
@@ -120,7 +120,7 @@ impl S3Fs {
     /// replies at once, skipping a task and a wake-up); `None`: ask `lookup`.
     pub fn lookup_now(&self, parent: u64, name: &str) -> Option<FsResult<Attr>> {
         check_existing_name(name).ok()?;
-        match self.from_table(parent, name, true) {
+        match self.table_answer(parent, name, true) {
             FromTable::Found(attr) => Some(Ok(attr)),
             FromTable::Absent if name.len() > NAME_MAX => Some(Err(FsError::NameTooLong)),
             FromTable::Absent => Some(Err(FsError::NotFound)),
@@ -129,12 +129,12 @@ impl S3Fs {
     }
 
     /// What the table alone says of `name` under directory `parent`.
-    fn from_table(&self, parent: u64, name: &str, kernel_ref: bool) -> FromTable {
+    fn table_answer(&self, parent: u64, name: &str, kernel_ref: bool) -> FromTable {
         let mut t = self.inodes();
         match t.child(parent, name) {
             Some(child) if self.fresh(child) => {
                 if self.needs_meta(child) {
-                    return FromTable::NeedsMeta(child.clone());
+                    return FromTable::NeedsMeta(Box::new(child.clone()));
                 }
                 let attr = self.attr_of(child);
                 if kernel_ref {
@@ -167,7 +167,7 @@ impl S3Fs {
         // the table evicts it meanwhile (a directory larger than the table's cap), it is
         // looked up again: a name that exists is never ENOENT for want of an inode.
         for _ in 0..3 {
-            let load_first = match self.from_table(parent, name, kernel_ref) {
+            let load_first = match self.table_answer(parent, name, kernel_ref) {
                 FromTable::Found(attr) => return Ok(attr),
                 FromTable::Absent => return Err(FsError::NotFound),
                 FromTable::NeedsMeta(child) => child,

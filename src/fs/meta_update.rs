@@ -696,7 +696,8 @@ impl Saver {
         // A new empty file's PUT must be in S3 before its copy.
         let done = lock(&self.pending).get(&ino).map(|p| p.done.clone());
         if let Some(done) = done {
-            drop(done.lock().await);
+            // A failed PUT unbound the name: nothing is saved below.
+            let _ = done.outcome().await;
         }
         let (key, kind, etag, size, headers, change, legacy) = {
             let t = lock(&self.inodes);

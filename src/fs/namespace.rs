@@ -177,7 +177,9 @@ impl S3Fs {
             let put = lock(&self.pending).get(&child.ino).map(|p| p.done.clone());
             if let Some(put) = put {
                 let key = format!("{}{}", p.key, name);
-                let put_done = async move { drop(put.lock().await) };
+                let put_done = async move {
+                    let _ = put.outcome().await;
+                };
                 self.deletes.delete_after(&key, put_done).await?;
                 self.inodes().remove_here(parent, name);
                 return Ok(());

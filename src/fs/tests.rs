@@ -2090,3 +2090,29 @@ async fn a_directory_removed_right_after_its_chmod_stays_removed() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(store.keys().await, Vec::<String>::new());
 }
+
+/// A new file closed empty has its PUT sent by a task (`defer_empty`). If that task ends
+/// without an outcome (it panicked; the runtime stopped), nobody may take the file for
+/// created: waiters get EIO, the unmount's `flush_all` ends, and the name goes as after a
+/// failed PUT.
+/// Before, the task's held mutex was its only signal: waiters saw no outcome as success,
+/// the pending entry stayed, and `flush_all` went round its loop for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_put_task_that_dies_fails_its_waiters_and_lets_unmount_end() {
+    let mem = Arc::new(MemClient::new());
+    mem.panic_on_put("e");
+    let fs = S3Fs::new(mem.clone(), FsConfig::default());
+    let (a, fh) = fs.create(ROOT, "e", W).await.unwrap();
+    fs.release(fh).await.unwrap();
+    let fsync = tokio::time::timeout(Duration::from_secs(10), fs.await_pending(a.ino))
+        .await
+        .expect("a waiter for the dead task's PUT returns");
+    assert!(fsync.is_err(), "no outcome taken for success: {fsync:?}");
+    // The failure was told to the waiter above (and logged); nothing is left to wait for.
+    tokio::time::timeout(Duration::from_secs(10), fs.flush_all())
+        .await
+        .expect("flush_all ends");
+    assert!(mem.get("e").is_none());
+    // As after a failed PUT, the name is gone (the lookup asks S3).
+    assert!(matches!(fs.lookup(ROOT, "e").await, Err(FsError::NotFound)));
+}

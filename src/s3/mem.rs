@@ -31,6 +31,8 @@ pub struct MemClient {
     conditions_not_implemented: std::sync::atomic::AtomicBool,
     /// Metadata replacements wait for a permit here (see `hold_metadata_replacements`).
     replacements_gate: Mutex<Option<Arc<tokio::sync::Semaphore>>>,
+    /// A PUT of this key panics (see `panic_on_put`).
+    panics_on_put: Mutex<Option<String>>,
 }
 
 impl MemClient {
@@ -114,6 +116,11 @@ impl MemClient {
         let gate = Arc::new(tokio::sync::Semaphore::new(0));
         *self.replacements_gate.lock().unwrap() = Some(gate.clone());
         gate
+    }
+
+    /// From now on, a PUT of `key` panics, as a bug in the task that sends it would.
+    pub fn panic_on_put(&self, key: &str) {
+        *self.panics_on_put.lock().unwrap() = Some(key.to_string());
     }
 
     /// From now on, a write with a condition is answered `NotImplemented` (HTTP 501).
@@ -275,6 +282,9 @@ impl ObjectClient for MemClient {
         cond: Option<&WriteCondition>,
         meta: Option<&UserMeta>,
     ) -> S3Result<ObjectMeta> {
+        if self.panics_on_put.lock().unwrap().as_deref() == Some(key) {
+            panic!("PUT of {key}: the test asked for a panic");
+        }
         self.refuses(cond)?;
         self.bytes_received
             .fetch_add(body.len() as u64, std::sync::atomic::Ordering::SeqCst);
