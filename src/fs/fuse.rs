@@ -4,7 +4,7 @@
 use super::meta::NodeType;
 use super::meta_update::{Creator, SetAttrs};
 use super::passthrough::BackingTable;
-use super::{Attr, FsError, OpenMode, S3Fs};
+use super::{Attr, DirEntry, FsError, OpenMode, S3Fs};
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo, InitFlags,
     KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
@@ -72,6 +72,36 @@ pub fn init_reply_allows_direct_io_mmap(reply: &[u8]) -> bool {
 /// Directory entries prepared per step of a readdir reply: the kernel's buffer takes a few
 /// dozen (4 KiB), and an entry prepared but not sent costs a pin and an attribute each.
 const REPLY_CHUNK: usize = 64;
+
+/// Fills one readdir reply from handle `fh`'s stream, `REPLY_CHUNK` entries at a time,
+/// until the reply is full or the buffered page is used up. `add` puts entries into the
+/// reply and returns the offset of the last one that fitted (`None`: none did) and whether
+/// the reply is full. An error after some entries were added ends the reply with those
+/// (the next call meets it again).
+async fn fill_reply(
+    fs: &S3Fs,
+    fh: u64,
+    mut offset: u64,
+    mut add: impl FnMut(Vec<DirEntry>) -> (Option<u64>, bool),
+) -> Result<(), FsError> {
+    let mut added = false;
+    loop {
+        let entries = match fs.readdir(fh, offset, REPLY_CHUNK).await {
+            Ok(entries) => entries,
+            Err(_) if added => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let whole_buffer = entries.len() < REPLY_CHUNK;
+        let (last, full) = add(entries);
+        if let Some(last) = last {
+            added = true;
+            offset = last;
+        }
+        if full || whole_buffer {
+            return Ok(());
+        }
+    }
+}
 
 fn errno(e: &FsError) -> Errno {
     Errno::from_i32(e.errno())
@@ -698,28 +728,21 @@ impl Filesystem for FuseAdapter {
     ) {
         let fs = self.fs.clone();
         self.rt.spawn(async move {
-            let mut offset = offset;
-            let mut added = false;
-            loop {
-                let entries = match fs.readdir(fh.0, offset, REPLY_CHUNK).await {
-                    Ok(entries) => entries,
-                    // What was added goes out; the next call meets the error again.
-                    Err(_) if added => break,
-                    Err(e) => return reply.error(errno(&e)),
-                };
-                let whole_buffer = entries.len() < REPLY_CHUNK;
+            let filled = fill_reply(&fs, fh.0, offset, |entries| {
+                let mut last = None;
                 for e in entries {
                     if reply.add(INodeNo(e.ino), e.offset, file_type(e.node), &e.name) {
-                        return reply.ok();
+                        return (last, true);
                     }
-                    added = true;
-                    offset = e.offset;
+                    last = Some(e.offset);
                 }
-                if whole_buffer {
-                    break;
-                }
+                (last, false)
+            })
+            .await;
+            match filled {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno(&e)),
             }
-            reply.ok();
         });
     }
 
@@ -733,21 +756,12 @@ impl Filesystem for FuseAdapter {
     ) {
         let fs = self.fs.clone();
         self.rt.spawn(async move {
-            let mut offset = offset;
-            let mut added = false;
-            loop {
-                let entries = match fs.readdir(fh.0, offset, REPLY_CHUNK).await {
-                    Ok(entries) => entries,
-                    // What was added goes out; the next call meets the error again.
-                    Err(_) if added => break,
-                    Err(e) => return reply.error(errno(&e)),
-                };
-                let whole_buffer = entries.len() < REPLY_CHUNK;
+            let filled = fill_reply(&fs, fh.0, offset, |entries| {
                 // The kernel takes a reference to every entry it receives but `.` and
                 // `..`; only those that fit in the reply count.
                 let mut sent = Vec::new();
                 let mut unsent = Vec::new();
-                let mut full = false;
+                let (mut last, mut full) = (None, false);
                 for (e, a) in fs.reply_entries(ino.0, entries) {
                     let counted = e.name != "." && e.name != "..";
                     if !full {
@@ -760,8 +774,7 @@ impl Filesystem for FuseAdapter {
                             Generation(0),
                         );
                         if !full {
-                            added = true;
-                            offset = e.offset;
+                            last = Some(e.offset);
                         }
                     }
                     match (counted, full) {
@@ -771,11 +784,13 @@ impl Filesystem for FuseAdapter {
                     }
                 }
                 fs.settle_reply(&sent, &unsent);
-                if full || whole_buffer {
-                    break;
-                }
+                (last, full)
+            })
+            .await;
+            match filled {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno(&e)),
             }
-            reply.ok();
         });
     }
 
